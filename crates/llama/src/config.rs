@@ -1,0 +1,145 @@
+//! Model shapes: Llama 2 presets and any shape read from a Hugging Face `config.json`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{LlamaError, Result};
+
+/// The shape of a Llama model. Field names follow Hugging Face's `LlamaConfig` so that a
+/// `config.json` maps onto it without a table of special cases.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    /// Tokens in the vocabulary (embedding rows and LM-head outputs).
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the SwiGLU MLP's inner layer.
+    pub intermediate_size: usize,
+    /// Number of transformer blocks.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads; fewer than query heads means grouped-query attention (70B uses 8).
+    pub num_key_value_heads: usize,
+    /// Longest sequence the rotary tables are built for.
+    pub max_position_embeddings: usize,
+    /// Epsilon inside RMSNorm.
+    pub rms_norm_eps: f64,
+    /// Base of the rotary embedding frequencies.
+    pub rope_theta: f64,
+    /// Whether the LM head shares the token embedding's weights.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+}
+
+impl LlamaConfig {
+    /// Names accepted by [`LlamaConfig::preset`].
+    pub const PRESETS: [&'static str; 6] = ["tiny", "small", "1b", "7b", "13b", "70b"];
+
+    /// A named shape: `7b`, `13b`, `70b` are Llama 2's published shapes; `1b` is the 1.2B shape
+    /// of the PyTorch reference (`torch_llama.py --preset 1b`); `small` is the CPU default
+    /// (about 7M parameters with a 4096-token vocabulary); `tiny` is for tests.
+    pub fn preset(name: &str) -> Result<Self> {
+        let llama2 = |hidden, inter, layers, heads, kv| LlamaConfig {
+            vocab_size: 32000,
+            hidden_size: hidden,
+            intermediate_size: inter,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv,
+            max_position_embeddings: 4096,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            tie_word_embeddings: false,
+        };
+        Ok(match name {
+            "tiny" => LlamaConfig {
+                vocab_size: 256,
+                hidden_size: 64,
+                intermediate_size: 176,
+                num_hidden_layers: 2,
+                num_attention_heads: 4,
+                num_key_value_heads: 2,
+                max_position_embeddings: 256,
+                ..llama2(0, 0, 0, 0, 0)
+            },
+            "small" => LlamaConfig {
+                vocab_size: 4096,
+                hidden_size: 256,
+                intermediate_size: 688,
+                num_hidden_layers: 6,
+                num_attention_heads: 8,
+                num_key_value_heads: 8,
+                max_position_embeddings: 1024,
+                ..llama2(0, 0, 0, 0, 0)
+            },
+            "1b" => llama2(2048, 5632, 22, 32, 32),
+            "7b" => llama2(4096, 11008, 32, 32, 32),
+            "13b" => llama2(5120, 13824, 40, 40, 40),
+            "70b" => llama2(8192, 28672, 80, 64, 8),
+            other => {
+                return Err(LlamaError::Config(format!(
+                    "unknown model preset '{other}'; known presets: {}",
+                    Self::PRESETS.join(", ")
+                )));
+            }
+        })
+    }
+
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads
+    }
+
+    /// Checks the relations between fields that the model relies on.
+    pub fn validate(&self) -> Result<()> {
+        let c = self;
+        let fail = |m: String| Err(LlamaError::Config(m));
+        if c.vocab_size == 0 || c.hidden_size == 0 || c.num_hidden_layers == 0 {
+            return fail(format!(
+                "vocab_size ({}), hidden_size ({}) and num_hidden_layers ({}) must be positive",
+                c.vocab_size, c.hidden_size, c.num_hidden_layers
+            ));
+        }
+        if c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0 {
+            return fail(format!(
+                "hidden_size {} is not divisible by num_attention_heads {}",
+                c.hidden_size, c.num_attention_heads
+            ));
+        }
+        if c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0 {
+            return fail(format!(
+                "num_attention_heads {} is not divisible by num_key_value_heads {}",
+                c.num_attention_heads, c.num_key_value_heads
+            ));
+        }
+        if c.head_dim() % 2 != 0 {
+            return fail(format!("head dimension {} must be even for rotary embeddings", c.head_dim()));
+        }
+        Ok(())
+    }
+
+    /// Parameters of the whole model, counted from the shape alone (nothing is allocated).
+    pub fn num_parameters(&self) -> usize {
+        let embed = self.vocab_size * self.hidden_size;
+        let head = if self.tie_word_embeddings { 0 } else { embed };
+        embed + head + self.num_hidden_layers * self.block_parameters() + self.hidden_size
+    }
+
+    /// Parameters of one transformer block.
+    pub fn block_parameters(&self) -> usize {
+        let h = self.hidden_size;
+        let kv = self.num_key_value_heads * self.head_dim();
+        let attn = h * h * 2 + h * kv * 2;
+        let mlp = 3 * h * self.intermediate_size;
+        attn + mlp + 2 * h
+    }
+
+    /// Training FLOPs per token with the convention of DESIGN.md:
+    /// `6 * N + 12 * L * H * S`, N = parameters outside the token embedding (LM head included).
+    pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let n = (self.num_parameters() - self.vocab_size * self.hidden_size
+            + if self.tie_word_embeddings { self.vocab_size * self.hidden_size } else { 0 })
+            as f64;
+        6.0 * n + 12.0 * (self.num_hidden_layers * self.hidden_size * seq_len) as f64
+    }
+}

@@ -1,0 +1,9 @@
+//! Llama 2 on smp-burn: the model, Hugging Face checkpoints, tokenizer and data, and the trainer
+//! behind the `llama2_train` example.
+
+pub mod config;
+pub mod error;
+pub mod tokenizer;
+
+pub use config::LlamaConfig;
+pub use error::{LlamaError, Result};

@@ -1,0 +1,134 @@
+//! The parallel configuration, SMP-style, and its validation against the world.
+
+use burn::tensor::FloatDType;
+use serde::{Deserialize, Serialize};
+
+use crate::error::SmpError;
+
+/// Floating-point precision of a tensor class in mixed-precision training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// 32-bit IEEE float.
+    #[default]
+    F32,
+    /// bfloat16: f32's range with 8 bits of mantissa.
+    Bf16,
+}
+
+impl Precision {
+    /// Burn's dtype for this precision.
+    pub fn dtype(self) -> FloatDType {
+        match self {
+            Precision::F32 => FloatDType::F32,
+            Precision::Bf16 => FloatDType::BF16,
+        }
+    }
+}
+
+/// What to parallelize and how, in SageMaker SMP v2's vocabulary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ParallelConfig {
+    /// Ranks a parameter is sharded across. 0 or the data-parallel world means full sharding
+    /// (ZeRO-3); `k` shards inside groups of `k` ranks and replicates across the groups.
+    pub hybrid_shard_degree: usize,
+    /// Ranks a layer is split across (Megatron-style tensor parallelism); 1 = off.
+    pub tensor_parallel_degree: usize,
+    /// Dtype parameters are gathered and computed in (bf16 on GPUs, f32 on CPU).
+    pub param_dtype: Precision,
+    /// Dtype gradients are reduced in.
+    pub reduce_dtype: Precision,
+    /// Recompute each unit's forward in its backward instead of keeping its activations and
+    /// gathered parameters: memory of one unit instead of all of them.
+    pub activation_checkpointing: bool,
+    /// Free gathered parameters after a unit's forward and gather them again for its backward.
+    /// Implied by activation checkpointing.
+    pub reshard_after_forward: bool,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self {
+            hybrid_shard_degree: 0,
+            tensor_parallel_degree: 1,
+            param_dtype: Precision::F32,
+            reduce_dtype: Precision::F32,
+            activation_checkpointing: true,
+            reshard_after_forward: true,
+        }
+    }
+}
+
+/// The degrees of the device mesh, validated against the world size (torchtitan's
+/// `ParallelDims`): `world = replicate * shard * tensor`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParallelDims {
+    /// Total ranks.
+    pub world: usize,
+    /// Replica groups (hybrid sharding); 1 with full sharding.
+    pub replicate: usize,
+    /// Ranks a parameter shard group spans.
+    pub shard: usize,
+    /// Tensor-parallel degree.
+    pub tensor: usize,
+}
+
+impl ParallelDims {
+    /// Checks every degree against `world` and returns the mesh shape.
+    pub fn new(config: &ParallelConfig, world: usize) -> Result<Self, SmpError> {
+        let tp = config.tensor_parallel_degree.max(1);
+        if world == 0 {
+            return Err(SmpError::Config("world size must be at least 1".into()));
+        }
+        if world % tp != 0 {
+            return Err(SmpError::Config(format!(
+                "tensor_parallel_degree {tp} does not divide the world size {world}"
+            )));
+        }
+        let dp = world / tp;
+        let shard = match config.hybrid_shard_degree {
+            0 => dp,
+            k if dp % k == 0 => k,
+            k => {
+                return Err(SmpError::Config(format!(
+                    "hybrid_shard_degree {k} does not divide the data-parallel size {dp} \
+                     (world size {world} / tensor_parallel_degree {tp})"
+                )));
+            }
+        };
+        Ok(Self { world, replicate: dp / shard, shard, tensor: tp })
+    }
+
+    /// The mesh axes, outermost first, in the form `collectives::DeviceMesh::new` takes.
+    pub fn mesh_axes(&self) -> [(&'static str, usize); 3] {
+        [("replicate", self.replicate), ("shard", self.shard), ("tensor", self.tensor)]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(sdp: usize, tp: usize) -> ParallelConfig {
+        ParallelConfig { hybrid_shard_degree: sdp, tensor_parallel_degree: tp, ..Default::default() }
+    }
+
+    #[test]
+    fn full_and_hybrid_sharding() {
+        let d = ParallelDims::new(&cfg(0, 1), 8).unwrap();
+        assert_eq!((d.replicate, d.shard, d.tensor), (1, 8, 1));
+        let d = ParallelDims::new(&cfg(2, 1), 8).unwrap();
+        assert_eq!((d.replicate, d.shard, d.tensor), (4, 2, 1));
+        let d = ParallelDims::new(&cfg(2, 2), 8).unwrap();
+        assert_eq!((d.replicate, d.shard, d.tensor), (2, 2, 2));
+    }
+
+    #[test]
+    fn degrees_that_do_not_divide_are_named() {
+        let e = ParallelDims::new(&cfg(3, 1), 8).unwrap_err().to_string();
+        assert!(e.contains("hybrid_shard_degree 3") && e.contains("8"), "{e}");
+        let e = ParallelDims::new(&cfg(0, 3), 8).unwrap_err().to_string();
+        assert!(e.contains("tensor_parallel_degree 3") && e.contains("world size 8"), "{e}");
+    }
+}

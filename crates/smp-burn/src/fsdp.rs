@@ -1,0 +1,542 @@
+//! Sharded data parallelism (FSDP / ZeRO-3) for any Burn module.
+//!
+//! A model is cut into *units* (a transformer block for Llama; any sub-module elsewhere). Each
+//! unit's parameters are flattened in the module's visiting order into one buffer, padded to a
+//! multiple of the shard degree, and each rank keeps only its contiguous chunk of it: the fp32
+//! master weights, the fp32 gradient and AdamW's two moments. A unit's full parameters exist
+//! only while it runs: [`ShardedUnit::gather`] all-gathers them (in the compute dtype) into a
+//! copy of the unit's module, and [`ShardedUnit::accumulate_grads`] reduce-scatters the
+//! gradients of that copy back into the shard (all-reducing across replicas in hybrid mode).
+//!
+//! One all-gather and one reduce-scatter per unit, however many tensors it has: the flat buffer
+//! is the bucketing that keeps small tensors from each paying a collective's latency.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use burn::module::{Module, Param};
+//! use burn::tensor::{Tensor, backend::Backend};
+//! use burn_ndarray::NdArray;
+//! use burn::backend::Autodiff;
+//! use collectives::{CommOptions, run_on_threads};
+//! use smp_burn::{HostTensorComm, ParallelConfig, fsdp::{FsdpContext, ShardedUnit}, init::{InitRule, init_values}};
+//!
+//! #[derive(Module, Debug)]
+//! struct Layer<B: Backend> { weight: Param<Tensor<B, 2>> }
+//!
+//! type B = Autodiff<NdArray<f32>>;
+//! let losses = run_on_threads(2, CommOptions::default(), |comm| {
+//!     let dev = Default::default();
+//!     let ctx = FsdpContext::<NdArray<f32>>::new(
+//!         Arc::new(HostTensorComm::new(comm)), None, &ParallelConfig::default());
+//!     // The template's parameters are lazy: building it allocates nothing.
+//!     let template = Layer::<B> { weight: burn::module::Initializer::Zeros.init([4, 4], &dev) };
+//!     let mut unit = ShardedUnit::new("layer", template, &ctx, &dev, |p, range| {
+//!         init_values(0, &p.name, InitRule::Normal { std: 0.1 }, range)
+//!     }).unwrap();
+//!     let layer = unit.gather(&ctx, true).unwrap();
+//!     let x = Tensor::<B, 2>::ones([2, 4], &dev);
+//!     let loss = x.matmul(layer.weight.val()).square().mean();
+//!     let grads = loss.backward();
+//!     unit.accumulate_grads(&layer, &grads, &ctx, false).unwrap();
+//!     loss.into_scalar()
+//! });
+//! assert_eq!(losses[0], losses[1]);
+//! ```
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::{
+    FloatDType, Tensor,
+    backend::{AutodiffBackend, Backend},
+};
+use collectives::ReduceOp;
+
+use crate::comm::TensorComm;
+use crate::config::ParallelConfig;
+use crate::error::SmpError;
+
+/// Communication and precision settings shared by every unit of a model on one rank.
+#[derive(Debug, Clone)]
+pub struct FsdpContext<IB: Backend> {
+    /// The group a parameter is sharded across.
+    pub shard: Arc<dyn TensorComm<IB>>,
+    /// The group across which shards are replicated (hybrid sharding); `None` = full sharding.
+    pub replicate: Option<Arc<dyn TensorComm<IB>>>,
+    /// Dtype of gathered parameters (the compute dtype).
+    pub param_dtype: FloatDType,
+    /// Dtype gradients are reduced in.
+    pub reduce_dtype: FloatDType,
+    stats: Arc<std::sync::Mutex<CommStats>>,
+}
+
+/// Time and bytes spent in collectives on this rank since the last [`FsdpContext::take_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CommStats {
+    /// Wall time spent inside collective calls (host-visible waiting).
+    pub wait: Duration,
+    /// Number of collective calls.
+    pub calls: u64,
+}
+
+impl<IB: Backend> FsdpContext<IB> {
+    /// A context for one rank: `shard` is this rank's shard group, `replicate` its replica group
+    /// in hybrid sharding.
+    pub fn new(
+        shard: Arc<dyn TensorComm<IB>>,
+        replicate: Option<Arc<dyn TensorComm<IB>>>,
+        config: &ParallelConfig,
+    ) -> Self {
+        let replicate = replicate.filter(|r| r.world_size() > 1);
+        Self {
+            shard,
+            replicate,
+            param_dtype: config.param_dtype.dtype(),
+            reduce_dtype: config.reduce_dtype.dtype(),
+            stats: Default::default(),
+        }
+    }
+
+    /// Returns the collective statistics gathered so far and resets them.
+    pub fn take_stats(&self) -> CommStats {
+        std::mem::take(&mut *self.stats.lock().expect("stats lock"))
+    }
+
+    fn timed<T>(&self, f: impl FnOnce() -> Result<T, SmpError>) -> Result<T, SmpError> {
+        let start = Instant::now();
+        let out = f();
+        let mut stats = self.stats.lock().expect("stats lock");
+        stats.wait += start.elapsed();
+        stats.calls += 1;
+        out
+    }
+
+    /// Sum of `value` over the shard group (replicas hold identical shards, so they are not
+    /// summed again). Used for the global gradient norm.
+    pub fn sum_over_shards(&self, value: Tensor<IB, 1>) -> Result<Tensor<IB, 1>, SmpError> {
+        if self.shard.world_size() == 1 {
+            return Ok(value);
+        }
+        self.timed(|| self.shard.all_reduce(value, ReduceOp::Sum))
+    }
+
+    /// Mean of `value` over every data-parallel rank (shard group x replicas); for logging
+    /// the loss.
+    pub fn mean_over_data_parallel(&self, value: Tensor<IB, 1>) -> Result<Tensor<IB, 1>, SmpError> {
+        let mut v = value;
+        if self.shard.world_size() > 1 {
+            v = self.timed(|| self.shard.all_reduce(v, ReduceOp::Avg))?;
+        }
+        if let Some(rep) = &self.replicate {
+            v = self.timed(|| rep.all_reduce(v, ReduceOp::Avg))?;
+        }
+        Ok(v)
+    }
+}
+
+/// One parameter's place in its unit's flat buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlatParam {
+    /// Path inside the unit, e.g. `self_attn.q_proj.weight`.
+    pub name: String,
+    /// The parameter's shape.
+    pub shape: Vec<usize>,
+    /// First element in the flat buffer.
+    pub offset: usize,
+    /// Elements.
+    pub numel: usize,
+}
+
+/// How a unit's parameters are laid out in its flat buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlatLayout {
+    /// The parameters, in the module's visiting order.
+    pub params: Vec<FlatParam>,
+    /// Elements of all parameters.
+    pub numel: usize,
+    /// `numel` rounded up to a multiple of the shard degree.
+    pub padded: usize,
+}
+
+impl FlatLayout {
+    /// The layout of `module`'s float parameters for a shard group of `shard_degree` ranks.
+    /// Reads only shapes: lazy parameters stay unallocated.
+    pub fn of<B: Backend, M: Module<B>>(module: &M, shard_degree: usize) -> Self {
+        struct Collect {
+            path: Vec<String>,
+            params: Vec<FlatParam>,
+            offset: usize,
+        }
+        impl<B: Backend> ModuleVisitor<B> for Collect {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let shape = param.lazy_shape().dims.to_vec();
+                let numel = shape.iter().product();
+                self.params.push(FlatParam {
+                    name: self.path.join("."),
+                    shape,
+                    offset: self.offset,
+                    numel,
+                });
+                self.offset += numel;
+            }
+        }
+        let mut c = Collect { path: vec![], params: vec![], offset: 0 };
+        module.visit(&mut c);
+        let numel = c.offset;
+        let padded = numel.div_ceil(shard_degree) * shard_degree;
+        Self { params: c.params, numel, padded: padded.max(shard_degree) }
+    }
+
+    /// Elements each rank holds.
+    pub fn shard_len(&self, shard_degree: usize) -> usize {
+        self.padded / shard_degree
+    }
+
+    /// The flat range rank `rank` holds.
+    pub fn shard_range(&self, rank: usize, shard_degree: usize) -> Range<usize> {
+        let len = self.shard_len(shard_degree);
+        rank * len..(rank + 1) * len
+    }
+}
+
+/// A unit whose parameters, gradients and optimizer state are sharded across a group.
+#[derive(Debug)]
+pub struct ShardedUnit<B: AutodiffBackend, M: Module<B>> {
+    /// Name of the unit (its path in the model), for messages and checkpoints.
+    pub name: String,
+    template: M,
+    layout: FlatLayout,
+    rank: usize,
+    degree: usize,
+    /// fp32 master weights of this rank's chunk.
+    master: Tensor<B::InnerBackend, 1>,
+    grad: Option<Tensor<B::InnerBackend, 1>>,
+    deferred_full_grad: Option<Tensor<B::InnerBackend, 1>>,
+    exp_avg: Tensor<B::InnerBackend, 1>,
+    exp_avg_sq: Tensor<B::InnerBackend, 1>,
+    /// 1 where weight decay applies (matrices), 0 elsewhere (norm weights, padding).
+    decay_mask: Tensor<B::InnerBackend, 1>,
+}
+
+impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
+    /// Shards `template` (whose parameters may be lazy and are never materialized here) across
+    /// `ctx.shard`. `init(param, range)` returns the values of elements `range` of a parameter,
+    /// so each rank creates only its own chunk.
+    pub fn new(
+        name: impl Into<String>,
+        template: M,
+        ctx: &FsdpContext<B::InnerBackend>,
+        device: &<B::InnerBackend as Backend>::Device,
+        init: impl Fn(&FlatParam, Range<usize>) -> Vec<f32>,
+    ) -> Result<Self, SmpError> {
+        let degree = ctx.shard.world_size();
+        let rank = ctx.shard.rank();
+        let layout = FlatLayout::of::<B, M>(&template, degree);
+        let range = layout.shard_range(rank, degree);
+        let mut values = Vec::with_capacity(range.len());
+        let mut decay = Vec::with_capacity(range.len());
+        for p in &layout.params {
+            let lo = p.offset.max(range.start);
+            let hi = (p.offset + p.numel).min(range.end);
+            if lo < hi {
+                let part = init(p, lo - p.offset..hi - p.offset);
+                if part.len() != hi - lo {
+                    return Err(SmpError::Config(format!(
+                        "initializer returned {} values for elements {}..{} of {}",
+                        part.len(),
+                        lo - p.offset,
+                        hi - p.offset,
+                        p.name
+                    )));
+                }
+                values.extend(part);
+                decay.extend(std::iter::repeat_n(if p.shape.len() >= 2 { 1.0 } else { 0.0 }, hi - lo));
+            }
+        }
+        values.resize(range.len(), 0.0);
+        decay.resize(range.len(), 0.0);
+        let master = Tensor::<B::InnerBackend, 1>::from_floats(values.as_slice(), device)
+            .cast(FloatDType::F32);
+        let decay_mask = Tensor::from_floats(decay.as_slice(), device).cast(FloatDType::F32);
+        let zeros = master.zeros_like();
+        Ok(Self {
+            name: name.into(),
+            template,
+            layout,
+            rank,
+            degree,
+            master,
+            grad: None,
+            deferred_full_grad: None,
+            exp_avg: zeros.clone(),
+            exp_avg_sq: zeros,
+            decay_mask,
+        })
+    }
+
+    /// The flat layout of this unit.
+    pub fn layout(&self) -> &FlatLayout {
+        &self.layout
+    }
+
+    /// The module with full parameters, all-gathered in the compute dtype. With `track_grad`
+    /// every parameter is an autodiff leaf whose gradient [`Self::accumulate_grads`] collects.
+    pub fn gather(&self, ctx: &FsdpContext<B::InnerBackend>, track_grad: bool) -> Result<M, SmpError> {
+        let shard = self.master.clone().cast(ctx.param_dtype);
+        let full = if self.degree == 1 { shard } else { ctx.timed(|| ctx.shard.all_gather(shard))? };
+        struct Unflatten<'a, IB: Backend> {
+            full: Tensor<IB, 1>,
+            layout: &'a FlatLayout,
+            next: usize,
+            track_grad: bool,
+        }
+        impl<B: AutodiffBackend> ModuleMapper<B> for Unflatten<'_, B::InnerBackend> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+                let spec = &self.layout.params[self.next];
+                self.next += 1;
+                let dims: [usize; D] = spec.shape.clone().try_into().expect("rank recorded by layout");
+                let inner = self.full.clone().narrow(0, spec.offset, spec.numel).reshape(dims);
+                let mut t = Tensor::<B, D>::from_inner(inner);
+                if self.track_grad {
+                    t = t.require_grad();
+                }
+                // The template's own (lazy) value is dropped without ever being created.
+                Param::initialized(param.id, t)
+            }
+        }
+        let mut mapper = Unflatten { full, layout: &self.layout, next: 0, track_grad };
+        Ok(self.template.clone().map(&mut mapper))
+    }
+
+    /// Collects the gradients of a module returned by [`Self::gather`] from `grads`,
+    /// reduce-scatters them across the shard group (mean over ranks) and, in hybrid mode,
+    /// all-reduces them across replicas, adding the result to this rank's gradient shard.
+    ///
+    /// With `defer`, the full gradient is only accumulated locally (FSDP's `no_sync`, for all but
+    /// the last micro-batch of an accumulation step); the next call without `defer` reduces the
+    /// sum once.
+    pub fn accumulate_grads(
+        &mut self,
+        module: &M,
+        grads: &B::Gradients,
+        ctx: &FsdpContext<B::InnerBackend>,
+        defer: bool,
+    ) -> Result<(), SmpError> {
+        struct Grads<'a, B: AutodiffBackend> {
+            grads: &'a B::Gradients,
+            pieces: Vec<Tensor<B::InnerBackend, 1>>,
+            layout: &'a FlatLayout,
+            device: Option<<B::InnerBackend as Backend>::Device>,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Grads<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let value = param.val();
+                let spec = &self.layout.params[self.pieces.len()];
+                let device = value.device();
+                let piece = match value.grad(self.grads) {
+                    Some(g) => g.cast(FloatDType::F32).reshape([spec.numel]),
+                    // A parameter the step did not use has a zero gradient.
+                    None => Tensor::zeros([spec.numel], &B::inner_device(&device)),
+                };
+                self.device = Some(B::inner_device(&device));
+                self.pieces.push(piece);
+            }
+        }
+        let mut collect =
+            Grads::<B> { grads, pieces: Vec::new(), layout: &self.layout, device: None };
+        module.visit(&mut collect);
+        let device = collect.device.clone().expect("a unit has at least one parameter");
+        let mut pieces = collect.pieces;
+        if self.layout.padded > self.layout.numel {
+            pieces.push(Tensor::zeros([self.layout.padded - self.layout.numel], &device));
+        }
+        let mut full = Tensor::cat(pieces, 0);
+        if let Some(prev) = self.deferred_full_grad.take() {
+            full = full + prev;
+        }
+        if defer {
+            self.deferred_full_grad = Some(full);
+            return Ok(());
+        }
+        let full = full.cast(ctx.reduce_dtype);
+        let mut shard = if self.degree == 1 {
+            full
+        } else {
+            ctx.timed(|| ctx.shard.reduce_scatter(full, ReduceOp::Avg))?
+        };
+        if let Some(rep) = &ctx.replicate {
+            shard = ctx.timed(|| rep.all_reduce(shard, ReduceOp::Avg))?;
+        }
+        let shard = shard.cast(FloatDType::F32);
+        self.grad = Some(match self.grad.take() {
+            Some(g) => g + shard,
+            None => shard,
+        });
+        Ok(())
+    }
+
+    /// Sum of squares of this rank's gradient shard (a 1-element tensor; no host sync).
+    pub fn grad_sq_sum(&self) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.grad.as_ref().map(|g| g.clone().square().sum())
+    }
+
+    /// One AdamW step on this rank's shard, scaling the gradient by `grad_scale` (the clipping
+    /// factor), then clears the gradient.
+    pub fn adamw_step(&mut self, opt: &AdamW, lr: f64, step: u64, grad_scale: Tensor<B::InnerBackend, 1>) {
+        let Some(grad) = self.grad.take() else { return };
+        let g = grad * grad_scale;
+        let (b1, b2) = (opt.beta1, opt.beta2);
+        self.exp_avg = self.exp_avg.clone() * b1 + g.clone() * (1.0 - b1);
+        self.exp_avg_sq = self.exp_avg_sq.clone() * b2 + g.square() * (1.0 - b2);
+        let bias1 = 1.0 - b1.powi(step as i32);
+        let bias2 = 1.0 - b2.powi(step as i32);
+        let denom = (self.exp_avg_sq.clone() / bias2).sqrt() + opt.eps;
+        let update = self.exp_avg.clone() / bias1 / denom;
+        let decayed = self.master.clone()
+            - self.master.clone() * self.decay_mask.clone() * (lr * opt.weight_decay);
+        self.master = decayed - update * lr;
+    }
+
+    /// Bytes this rank holds for the unit: master weights, gradient, deferred gradient and the
+    /// two AdamW moments (all f32).
+    pub fn state_bytes(&self) -> usize {
+        let shard = self.layout.shard_len(self.degree);
+        let grad = if self.grad.is_some() { shard } else { 0 };
+        let deferred = if self.deferred_full_grad.is_some() { self.layout.padded } else { 0 };
+        4 * (3 * shard + grad + deferred)
+    }
+
+    /// This rank's chunk of the fp32 master weights, AdamW's first and second moments.
+    pub fn shard_state(&self) -> [Tensor<B::InnerBackend, 1>; 3] {
+        [self.master.clone(), self.exp_avg.clone(), self.exp_avg_sq.clone()]
+    }
+
+    /// Replaces this rank's shard state (from a checkpoint); lengths must match.
+    pub fn load_shard_state(&mut self, state: [Tensor<B::InnerBackend, 1>; 3]) -> Result<(), SmpError> {
+        let want = self.layout.shard_len(self.degree);
+        for (t, what) in state.iter().zip(["weights", "exp_avg", "exp_avg_sq"]) {
+            if t.dims()[0] != want {
+                return Err(SmpError::Config(format!(
+                    "unit {}: checkpoint {what} shard has {} elements, this layout needs {want}",
+                    self.name,
+                    t.dims()[0]
+                )));
+            }
+        }
+        let [m, a, s] = state;
+        self.master = m.cast(FloatDType::F32);
+        self.exp_avg = a.cast(FloatDType::F32);
+        self.exp_avg_sq = s.cast(FloatDType::F32);
+        Ok(())
+    }
+
+    /// The full fp32 values of every parameter, gathered from all ranks (for export and
+    /// checkpoints). Every rank of the shard group must call it.
+    pub fn gather_full_f32(
+        &self,
+        ctx: &FsdpContext<B::InnerBackend>,
+        which: StateKind,
+    ) -> Result<Vec<(FlatParam, Vec<f32>)>, SmpError> {
+        let shard = match which {
+            StateKind::Weights => self.master.clone(),
+            StateKind::ExpAvg => self.exp_avg.clone(),
+            StateKind::ExpAvgSq => self.exp_avg_sq.clone(),
+        };
+        let full = if self.degree == 1 { shard } else { ctx.timed(|| ctx.shard.all_gather(shard))? };
+        let host: Vec<f32> = full
+            .into_data()
+            .convert::<f32>()
+            .to_vec()
+            .map_err(|e| SmpError::Config(format!("unit {}: reading weights: {e:?}", self.name)))?;
+        Ok(self
+            .layout
+            .params
+            .iter()
+            .map(|p| (p.clone(), host[p.offset..p.offset + p.numel].to_vec()))
+            .collect())
+    }
+
+    /// Rank of this process in the unit's shard group.
+    pub fn shard_rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ids of the template's parameters, in layout order.
+    pub fn param_ids(&self) -> Vec<ParamId> {
+        struct Ids<'a>(&'a mut Vec<ParamId>);
+        impl<B: Backend> ModuleVisitor<B> for Ids<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                self.0.push(param.id);
+            }
+        }
+        let mut ids = Vec::new();
+        self.template.visit(&mut Ids(&mut ids));
+        ids
+    }
+}
+
+/// Which of a unit's sharded tensors to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateKind {
+    /// fp32 master weights.
+    Weights,
+    /// AdamW's first moment.
+    ExpAvg,
+    /// AdamW's second moment.
+    ExpAvgSq,
+}
+
+/// AdamW hyper-parameters (PyTorch's semantics: decoupled weight decay `p -= lr * wd * p`).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AdamW {
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to matrices only.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamW {
+    fn default() -> Self {
+        Self { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    }
+}
+
+/// The clipping factor `min(1, max_norm / norm)` and the global gradient norm, from the
+/// per-unit sums of squares; `norm` is summed over the shard group so it is the norm of the
+/// whole model's gradient.
+pub fn clip_factor<IB: Backend>(
+    sq_sums: Vec<Tensor<IB, 1>>,
+    max_norm: Option<f64>,
+    ctx: &FsdpContext<IB>,
+) -> Result<(Tensor<IB, 1>, f64), SmpError> {
+    let local = Tensor::cat(sq_sums, 0).sum();
+    let total = ctx.sum_over_shards(local)?;
+    let norm = total.into_scalar().to_f64_lossy().sqrt();
+    let device = Default::default();
+    let scale = match max_norm {
+        Some(max) if norm > max => max / (norm + 1e-6),
+        _ => 1.0,
+    };
+    Ok((Tensor::<IB, 1>::from_floats([scale as f32], &device), norm))
+}
+
+trait ToF64 {
+    fn to_f64_lossy(self) -> f64;
+}
+impl<E: burn::tensor::ElementConversion> ToF64 for E {
+    fn to_f64_lossy(self) -> f64 {
+        self.elem::<f64>()
+    }
+}

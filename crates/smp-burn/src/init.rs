@@ -1,0 +1,82 @@
+//! Counter-based parameter initialization.
+//!
+//! Every value is a pure function of `(seed, parameter name, flat index)`, so any slice of a
+//! parameter can be produced without producing the rest. That is what lets each rank build only
+//! its own shard (SMP's delayed parameter initialization) and still get exactly the values an
+//! unsharded model from the same seed would have.
+
+use std::ops::Range;
+
+/// How a parameter's values are drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum InitRule {
+    /// Normal with mean 0 and the given standard deviation (Llama's linear and embedding init).
+    Normal {
+        /// Standard deviation.
+        std: f32,
+    },
+    /// A constant (RMSNorm weights start at 1).
+    Constant(f32),
+}
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A stable 64-bit key for a parameter name (FNV-1a), independent of Rust's randomized hasher.
+fn name_key(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Uniform in (0, 1], from the top 24 bits so the result is exact in f32.
+fn unit(bits: u64) -> f32 {
+    ((bits >> 40) as f32 + 1.0) / (1u64 << 24) as f32
+}
+
+/// The values of elements `range` (flat, row-major) of parameter `name` under `rule`.
+pub fn init_values(seed: u64, name: &str, rule: InitRule, range: Range<usize>) -> Vec<f32> {
+    match rule {
+        InitRule::Constant(c) => vec![c; range.len()],
+        InitRule::Normal { std } => {
+            let base = splitmix64(seed ^ splitmix64(name_key(name)));
+            range
+                .map(|i| {
+                    // Box-Muller on two independent draws of this element's own counter.
+                    let r = splitmix64(base ^ (i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+                    let u1 = unit(r);
+                    let u2 = unit(splitmix64(r));
+                    let z = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+                    z * std
+                })
+                .collect()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_agree_with_the_whole() {
+        let rule = InitRule::Normal { std: 0.02 };
+        let whole = init_values(7, "model.layers.0.mlp.up_proj.weight", rule, 0..1000);
+        let part = init_values(7, "model.layers.0.mlp.up_proj.weight", rule, 300..700);
+        assert_eq!(&whole[300..700], part.as_slice());
+    }
+
+    #[test]
+    fn statistics_and_independence() {
+        let rule = InitRule::Normal { std: 0.02 };
+        let v = init_values(1, "w", rule, 0..200_000);
+        let mean = v.iter().sum::<f32>() / v.len() as f32;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32;
+        assert!(mean.abs() < 2e-4, "mean {mean}");
+        assert!((var.sqrt() - 0.02).abs() < 2e-4, "std {}", var.sqrt());
+        assert_ne!(init_values(1, "w", rule, 0..8), init_values(1, "v", rule, 0..8));
+        assert_ne!(init_values(1, "w", rule, 0..8), init_values(2, "w", rule, 0..8));
+    }
+}

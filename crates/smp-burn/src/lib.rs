@@ -1,0 +1,20 @@
+//! smp-burn: sharded data parallelism, tensor parallelism, mixed precision and fused kernels
+//! for Burn models.
+//!
+//! The parts: [`config`] (an SMP-style [`ParallelConfig`] and the validated mesh shape),
+//! [`comm`] (collectives on Burn tensors), [`fsdp`] (sharded units with fp32 master weights and
+//! AdamW on shards), [`init`] (counter-based initialization so each rank builds only its shard),
+//! [`ops`] (reference transformer ops every fused kernel must match) and [`cuda`] (the bridge to
+//! Burn's CUDA runtime for NCCL).
+
+pub mod comm;
+pub mod config;
+pub mod cuda;
+pub mod error;
+pub mod fsdp;
+pub mod init;
+pub mod ops;
+
+pub use comm::{HostTensorComm, TensorComm};
+pub use config::{ParallelConfig, ParallelDims, Precision};
+pub use error::SmpError;
