@@ -1,0 +1,1 @@
+//! NCCL communicator (owned by the CUDA bridge work).
