@@ -1,0 +1,491 @@
+//! The bridge between Burn's CUDA runtime and NCCL.
+//!
+//! Three pieces:
+//! - [`pin_tensor`]: resolves a `Tensor<Cuda<F, I>, 1>` (Burn's `Fusion<CubeBackend>`) to the
+//!   CubeCL buffer behind it, pins the allocation (CubeCL cannot reuse it while the guard
+//!   lives) and returns its device pointer and dtype.
+//! - [`StreamBridge`]: orders work on our own communication stream with the kernels Burn
+//!   queues, on the GPU, without a host wait. Burn -> comm: `client.flush()` (CubeCL batches
+//!   launches on the host), `cuCtxRecordEvent` on the device's primary context, then
+//!   `cuStreamWaitEvent` on the comm stream. Comm -> Burn: `cuEventRecord` on the comm stream,
+//!   then `cuCtxWaitEvent`, so that everything submitted to the context afterwards waits.
+//!   Measured in `shared/probe/interop.rs`: ~10-15 us per collective where a host
+//!   synchronization loses a third of all-gather bandwidth. The price: a context event is
+//!   device-wide, so compute queued after a collective waits for it (no overlap).
+//! - [`CudaTensorComm`]: [`TensorComm`] for Burn CUDA tensors; NCCL reads and writes Burn's
+//!   own buffers.
+//!
+//! Nothing here touches CUDA until a caller asks for it: [`cuda_device_count`] returns 0 on a
+//! machine without libcuda, and the rest is only reached with CUDA tensors in hand.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+use burn::tensor::{DType as BurnDType, Tensor, TensorPrimitive, backend::Backend};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, FloatElement, IntElement};
+use burn_cuda::{Cuda, CudaDevice};
+use collectives::nccl::NcclComm;
+use collectives::{CommError, Communicator, DType, ReduceOp};
+use cubecl::Runtime;
+use cubecl::cuda::CudaRuntime;
+use cudarc::driver::{CudaContext, CudaStream, sys as ds};
+
+use crate::comm::TensorComm;
+use crate::error::SmpError;
+
+type Cube<F, I> = CubeBackend<CudaRuntime, F, I, u8>;
+
+/// Number of CUDA devices visible to this process; 0 when libcuda is missing or fails to
+/// initialize (never panics).
+pub fn cuda_device_count() -> usize {
+    // SAFETY: only tries to dlopen libcuda under its usual names.
+    if !unsafe { ds::is_culib_present() } {
+        return 0;
+    }
+    if cudarc::driver::result::init().is_err() {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
+fn cuda_err(what: &str, e: impl std::fmt::Debug) -> SmpError {
+    SmpError::Cuda(format!("{what}: {e:?}"))
+}
+
+/// Maps a Burn dtype to the collectives' dtype, for the float types NCCL reduces.
+pub fn comm_dtype(d: BurnDType) -> Result<DType, SmpError> {
+    Ok(match d {
+        BurnDType::F32 | BurnDType::Flex32 => DType::F32,
+        BurnDType::F64 => DType::F64,
+        BurnDType::BF16 => DType::BF16,
+        BurnDType::F16 => DType::F16,
+        other => {
+            return Err(SmpError::Cuda(format!(
+                "collectives on CUDA tensors support f32, f64, bf16 and f16, not {other:?}"
+            )));
+        }
+    })
+}
+
+/// The CubeCL tensor (client, buffer handle, strides, dtype) behind a Burn CUDA tensor.
+///
+/// Resolving drains Burn's fusion queue for this tensor, so its buffer exists and every kernel
+/// writing it has been handed to CubeCL.
+pub fn cube_tensor<F: FloatElement, I: IntElement, const D: usize>(
+    t: &Tensor<Cuda<F, I>, D>,
+) -> Result<CubeTensor<CudaRuntime>, SmpError> {
+    let ft = match t.clone().into_primitive() {
+        TensorPrimitive::Float(p) => p,
+        TensorPrimitive::QFloat(_) => {
+            return Err(SmpError::Cuda("quantized tensors are not supported".into()));
+        }
+    };
+    let client = ft.client.clone();
+    Ok(client.resolve_tensor_float::<Cube<F, I>>(ft))
+}
+
+/// A Burn CUDA buffer pinned for foreign use: CubeCL will not hand the memory to another
+/// tensor while this value lives, even if every Burn handle to it is dropped.
+pub struct PinnedBuffer {
+    /// Device address of the first element.
+    pub ptr: u64,
+    /// Number of elements.
+    pub len: usize,
+    /// Element type.
+    pub dtype: DType,
+    _guard: Box<dyn Any>,
+}
+
+impl std::fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("dtype", &self.dtype)
+            .finish()
+    }
+}
+
+/// Pins a contiguous 1-D Burn CUDA tensor and returns its device pointer (see
+/// [`PinnedBuffer`]). Costs about 10 us (a round trip to CubeCL's server).
+pub fn pin_tensor<F: FloatElement, I: IntElement>(
+    t: &Tensor<Cuda<F, I>, 1>,
+) -> Result<PinnedBuffer, SmpError> {
+    let c = cube_tensor(t)?;
+    let dtype = comm_dtype(c.dtype)?;
+    let len = c.meta.shape().num_elements();
+    let strides = c.meta.strides();
+    if len > 1 && strides[0] != 1 {
+        return Err(SmpError::Cuda(format!(
+            "collectives need a contiguous tensor; this one has stride {}",
+            strides[0]
+        )));
+    }
+    let r = c
+        .client
+        .get_resource(c.handle.clone())
+        .map_err(|e| cuda_err("pinning a Burn buffer (get_resource)", e))?;
+    let ptr = r.resource().ptr;
+    Ok(PinnedBuffer {
+        ptr,
+        len,
+        dtype,
+        _guard: Box::new(r),
+    })
+}
+
+/// A CUDA event handle owned by a [`StreamBridge`].
+struct Event(ds::CUevent);
+
+// SAFETY: CUevent is a plain driver handle, usable from any thread of the process.
+unsafe impl Send for Event {}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by us, destroyed once; the driver defers the release if a record is
+        // still pending.
+        let _ = unsafe { cudarc::driver::result::event::destroy(self.0) };
+    }
+}
+
+/// Orders a communication stream with Burn's CUDA work on one device, on the GPU.
+///
+/// See the module docs for the mechanism. One bridge per device and process group; the events
+/// are reused (a wait captures the event's state when it is queued).
+pub struct StreamBridge {
+    device: CudaDevice,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    ev_to_comm: Event,
+    ev_to_burn: Event,
+}
+
+impl std::fmt::Debug for StreamBridge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamBridge")
+            .field("device", &self.device.index)
+            .finish()
+    }
+}
+
+impl StreamBridge {
+    /// Creates the comm stream and events on CUDA device `index` (its primary context, the
+    /// one CubeCL uses).
+    pub fn new(index: usize) -> Result<Self, SmpError> {
+        let ctx = CudaContext::new(index).map_err(|e| cuda_err("CUDA context", e))?;
+        let stream = ctx.new_stream().map_err(|e| cuda_err("comm stream", e))?;
+        ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        let ev = || {
+            cudarc::driver::result::event::create(ds::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map(Event)
+                .map_err(|e| cuda_err("cuEventCreate", e))
+        };
+        Ok(Self {
+            device: CudaDevice { index },
+            ctx,
+            stream,
+            ev_to_comm: ev()?,
+            ev_to_burn: ev()?,
+        })
+    }
+
+    /// The communication stream (raw handle, for NCCL).
+    pub fn stream(&self) -> ds::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// The device's primary context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Makes the comm stream wait, on the GPU, for every Burn kernel queued so far.
+    pub fn burn_to_comm(&self) -> Result<(), SmpError> {
+        // CubeCL batches launches on the host: flush this thread's CubeCL stream so that every
+        // kernel queued so far has reached CUDA before the context event captures the work.
+        CudaRuntime::client(&self.device)
+            .flush()
+            .map_err(|e| cuda_err("CubeCL flush", e))?;
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        // SAFETY: the context, event and stream are live and belong to the same device.
+        unsafe {
+            ds::cuCtxRecordEvent(self.ctx.cu_ctx(), self.ev_to_comm.0)
+                .result()
+                .map_err(|e| cuda_err("cuCtxRecordEvent", e))?;
+            ds::cuStreamWaitEvent(self.stream(), self.ev_to_comm.0, 0)
+                .result()
+                .map_err(|e| cuda_err("cuStreamWaitEvent", e))?;
+        }
+        Ok(())
+    }
+
+    /// Makes all work submitted to the device from now on (Burn's next kernels) wait, on the
+    /// GPU, for everything queued so far on the comm stream.
+    pub fn comm_to_burn(&self) -> Result<(), SmpError> {
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        // SAFETY: as in `burn_to_comm`.
+        unsafe {
+            ds::cuEventRecord(self.ev_to_burn.0, self.stream())
+                .result()
+                .map_err(|e| cuda_err("cuEventRecord", e))?;
+            ds::cuCtxWaitEvent(self.ctx.cu_ctx(), self.ev_to_burn.0)
+                .result()
+                .map_err(|e| cuda_err("cuCtxWaitEvent", e))?;
+        }
+        Ok(())
+    }
+}
+
+/// How [`CudaTensorComm`] orders NCCL with Burn's kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ordering {
+    /// Context events on the GPU (the default; no host wait).
+    Events,
+    /// Wait on the host for Burn's queue before and for the collective after. Slow; for
+    /// measuring what the events save.
+    HostSync,
+}
+
+/// [`TensorComm`] for Burn's CUDA backend: NCCL on Burn's own buffers, ordered by a
+/// [`StreamBridge`].
+///
+/// Outputs are fresh Burn tensors on the same device with the input's dtype; the inputs are
+/// never written, so a tensor shared elsewhere stays intact.
+pub struct CudaTensorComm {
+    nccl: NcclComm,
+    bridge: Mutex<StreamBridge>,
+    ordering: Mutex<Ordering>,
+}
+
+impl std::fmt::Debug for CudaTensorComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaTensorComm")
+            .field("nccl", &self.nccl)
+            .finish()
+    }
+}
+
+impl CudaTensorComm {
+    /// Creates the NCCL communicator of `host`'s group on CUDA device `device`. Collective over
+    /// `host`.
+    pub fn new(host: &dyn Communicator, device: usize) -> Result<Self, SmpError> {
+        let nccl = NcclComm::new(host, device)?;
+        Self::from_nccl(nccl)
+    }
+
+    /// Wraps an existing NCCL communicator.
+    pub fn from_nccl(nccl: NcclComm) -> Result<Self, SmpError> {
+        let bridge = StreamBridge::new(nccl.device())?;
+        Ok(Self {
+            nccl,
+            bridge: Mutex::new(bridge),
+            ordering: Mutex::new(Ordering::Events),
+        })
+    }
+
+    /// A communicator for a subgroup (a mesh axis), from that subgroup's host communicator.
+    /// Collective over `host_sub`.
+    pub fn split(&self, host_sub: &dyn Communicator) -> Result<Self, SmpError> {
+        Self::from_nccl(self.nccl.split(host_sub)?)
+    }
+
+    /// The NCCL communicator underneath.
+    pub fn nccl(&self) -> &NcclComm {
+        &self.nccl
+    }
+
+    /// Chooses how collectives are ordered with Burn's work (see [`Ordering`]).
+    pub fn set_ordering(&self, ordering: Ordering) {
+        *self.ordering.lock().unwrap_or_else(|p| p.into_inner()) = ordering;
+    }
+
+    /// Waits on the host until every queued collective has run (bounded by the NCCL timeout).
+    pub fn synchronize(&self) -> Result<(), SmpError> {
+        let b = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(self.nccl.synchronize(b.stream())?)
+    }
+
+    fn check_device(&self, op: &str, d: &CudaDevice) -> Result<(), SmpError> {
+        if d.index != self.nccl.device() {
+            return Err(SmpError::Cuda(format!(
+                "{op}: tensor is on cuda:{} but the communicator of group {} runs on cuda:{}",
+                d.index,
+                self.nccl.group(),
+                self.nccl.device()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Orders `f` (which queues NCCL work on the comm stream) after Burn's queued kernels and
+    /// before Burn's next ones. The pins in `keep` are released only after the comm -> Burn
+    /// wait is queued, so CubeCL cannot reuse the memory while NCCL still uses it.
+    fn ordered<F: FloatElement, I: IntElement>(
+        &self,
+        device: &CudaDevice,
+        keep: Vec<PinnedBuffer>,
+        f: impl FnOnce(ds::CUstream) -> Result<(), CommError>,
+    ) -> Result<(), SmpError> {
+        let ordering = *self.ordering.lock().unwrap_or_else(|p| p.into_inner());
+        let b = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
+        match ordering {
+            Ordering::Events => {
+                b.burn_to_comm()?;
+                f(b.stream())?;
+                b.comm_to_burn()?;
+            }
+            Ordering::HostSync => {
+                Cuda::<F, I>::sync(device).map_err(|e| cuda_err("Burn sync", e))?;
+                f(b.stream())?;
+                self.nccl.synchronize(b.stream())?;
+            }
+        }
+        drop(keep);
+        Ok(())
+    }
+}
+
+impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
+    fn rank(&self) -> usize {
+        self.nccl.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.nccl.world_size()
+    }
+
+    fn all_gather(&self, shard: Tensor<Cuda<F, I>, 1>) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
+        let device = shard.device();
+        self.check_device("all_gather", &device)?;
+        let n = shard.dims()[0];
+        let out = Tensor::empty([n * self.nccl.world_size()], (&device, shard.dtype()));
+        if n == 0 {
+            return Ok(out);
+        }
+        let (src, dst) = (pin_tensor(&shard)?, pin_tensor(&out)?);
+        let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
+        self.ordered::<F, I>(&device, vec![src, dst], |s| {
+            // SAFETY: both buffers are pinned until the comm -> Burn wait is queued, hold n and
+            // n * world elements of `dt`, and live on the communicator's device (checked).
+            unsafe { self.nccl.all_gather(sp, dp, n, dt, s) }
+        })?;
+        Ok(out)
+    }
+
+    fn reduce_scatter(
+        &self,
+        full: Tensor<Cuda<F, I>, 1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
+        let device = full.device();
+        self.check_device("reduce_scatter", &device)?;
+        let total = full.dims()[0];
+        let world = self.nccl.world_size();
+        if total % world != 0 {
+            return Err(CommError::SizeMismatch {
+                op: "reduce_scatter".into(),
+                group: self.nccl.group().clone(),
+                detail: format!("length {total} is not divisible by the group size {world}"),
+            }
+            .into());
+        }
+        let n = total / world;
+        let out = Tensor::empty([n], (&device, full.dtype()));
+        if n == 0 {
+            return Ok(out);
+        }
+        let (src, dst) = (pin_tensor(&full)?, pin_tensor(&out)?);
+        let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
+        self.ordered::<F, I>(&device, vec![src, dst], |s| {
+            // SAFETY: as in all_gather; `full` holds n * world elements, `out` n.
+            unsafe { self.nccl.reduce_scatter(sp, dp, n, dt, op, s) }
+        })?;
+        Ok(out)
+    }
+
+    fn all_reduce(
+        &self,
+        t: Tensor<Cuda<F, I>, 1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
+        let device = t.device();
+        self.check_device("all_reduce", &device)?;
+        let n = t.dims()[0];
+        let out = Tensor::empty([n], (&device, t.dtype()));
+        if n == 0 {
+            return Ok(out);
+        }
+        let (src, dst) = (pin_tensor(&t)?, pin_tensor(&out)?);
+        let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
+        self.ordered::<F, I>(&device, vec![src, dst], |s| {
+            // SAFETY: as in all_gather; both buffers hold n elements.
+            unsafe { self.nccl.all_reduce(sp, dp, n, dt, op, s) }
+        })?;
+        Ok(out)
+    }
+
+    fn broadcast(
+        &self,
+        t: Tensor<Cuda<F, I>, 1>,
+        root: usize,
+    ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
+        let device = t.device();
+        self.check_device("broadcast", &device)?;
+        let n = t.dims()[0];
+        let out = Tensor::empty([n], (&device, t.dtype()));
+        if n == 0 {
+            return Ok(out);
+        }
+        let (src, dst) = (pin_tensor(&t)?, pin_tensor(&out)?);
+        let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
+        self.ordered::<F, I>(&device, vec![src, dst], |s| {
+            // SAFETY: as in all_gather; both buffers hold n elements.
+            unsafe { self.nccl.broadcast(sp, dp, n, dt, root, s) }
+        })?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_count_never_panics() {
+        // 0 on machines without a GPU or libcuda; the count on GPU machines.
+        let n = cuda_device_count();
+        assert!(n < 1024);
+    }
+
+    #[test]
+    fn dtype_mapping() {
+        assert_eq!(comm_dtype(BurnDType::BF16).unwrap(), DType::BF16);
+        assert_eq!(comm_dtype(BurnDType::F32).unwrap(), DType::F32);
+        assert!(comm_dtype(BurnDType::I32).is_err());
+    }
+
+    /// Two GPUs, one thread each: every collective through Burn tensors against the host
+    /// result, with no host synchronization between Burn and NCCL.
+    #[test]
+    #[ignore = "needs 2 GPUs"]
+    fn collectives_on_two_gpus() {
+        type B = Cuda<f32, i32>;
+        assert!(cuda_device_count() >= 2, "needs 2 GPUs");
+        collectives::run_on_threads(2, collectives::CommOptions::default(), |host| {
+            let r = host.rank();
+            let dev = CudaDevice { index: r };
+            let comm = CudaTensorComm::new(host.as_ref(), r).unwrap();
+            let x = Tensor::<B, 1>::from_floats([1.0 + r as f32, 2.0, 3.0, 4.0], &dev);
+            let g = TensorComm::<B>::all_gather(&comm, x.clone()).unwrap();
+            let s = TensorComm::<B>::all_reduce(&comm, x.clone(), ReduceOp::Sum).unwrap();
+            let rs = TensorComm::<B>::reduce_scatter(&comm, x.clone(), ReduceOp::Sum).unwrap();
+            let b = TensorComm::<B>::broadcast(&comm, x * (r as f32 + 1.0), 1).unwrap();
+            let v = |t: Tensor<B, 1>| t.into_data().to_vec::<f32>().unwrap();
+            assert_eq!(v(g), vec![1.0, 2.0, 3.0, 4.0, 2.0, 2.0, 3.0, 4.0]);
+            assert_eq!(v(s.clone()), vec![3.0, 4.0, 6.0, 8.0]);
+            assert_eq!(v(rs), if r == 0 { vec![3.0, 4.0] } else { vec![6.0, 8.0] });
+            assert_eq!(v(b), vec![4.0, 4.0, 6.0, 8.0]);
+        });
+    }
+}
