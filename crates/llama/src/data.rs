@@ -64,7 +64,10 @@ pub fn load_texts(source: &DataSource, text_field: &str) -> Result<Vec<String>> 
     };
     let docs: Vec<String> = docs.into_iter().filter(|d| !d.trim().is_empty()).collect();
     if docs.is_empty() {
-        return Err(LlamaError::Data(format!("{} contains no text", origin.display())));
+        return Err(LlamaError::Data(format!(
+            "{} contains no text",
+            origin.display()
+        )));
     }
     Ok(docs)
 }
@@ -92,7 +95,10 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 }
 
 fn read_file_docs(path: &Path, text_field: &str, docs: &mut Vec<String>) -> Result<()> {
-    let name = path.file_name().map(|n| n.to_string_lossy().to_lowercase()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_lowercase())
+        .unwrap_or_default();
     let bytes = std::fs::read(path).map_err(|e| LlamaError::io(path, e))?;
     let (text, inner_name) = match name.strip_suffix(".gz") {
         Some(inner) => (gunzip(&bytes, path)?, inner.to_string()),
@@ -153,9 +159,14 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
 fn gunzip(bytes: &[u8], path: &Path) -> Result<String> {
     let mut text = String::new();
     // `MultiGzDecoder` because concatenated gzip members are valid gzip (`cat a.gz b.gz`).
-    flate2::read::MultiGzDecoder::new(bytes).read_to_string(&mut text).map_err(|e| {
-        LlamaError::Data(format!("{}: cannot decompress as gzip UTF-8 text: {e}", path.display()))
-    })?;
+    flate2::read::MultiGzDecoder::new(bytes)
+        .read_to_string(&mut text)
+        .map_err(|e| {
+            LlamaError::Data(format!(
+                "{}: cannot decompress as gzip UTF-8 text: {e}",
+                path.display()
+            ))
+        })?;
     Ok(text)
 }
 
@@ -272,11 +283,17 @@ impl TokenDataset {
                 tokens.len(),
                 seq_len + 1,
                 val_windows + 1,
-                if val_windows > 0 { format!(", {val_windows} validation") } else { String::new() }
+                if val_windows > 0 {
+                    format!(", {val_windows} validation")
+                } else {
+                    String::new()
+                }
             )));
         }
         if windows - val_windows > u32::MAX as usize {
-            return Err(LlamaError::Data(format!("{windows} windows is more than supported")));
+            return Err(LlamaError::Data(format!(
+                "{windows} windows is more than supported"
+            )));
         }
         Ok(TokenDataset {
             tokens,
@@ -431,13 +448,20 @@ impl TokenDataset {
             targets.extend(w[1..].iter().map(|&t| t as i64));
             rows += 1;
         }
-        Batch { inputs, targets, batch: rows, seq_len: self.seq_len }
+        Batch {
+            inputs,
+            targets,
+            batch: rows,
+            seq_len: self.seq_len,
+        }
     }
 }
 
 fn rank_rows(global_batch: usize, rank: usize, world: usize) -> Result<(usize, usize)> {
     if world == 0 || rank >= world {
-        return Err(LlamaError::Data(format!("rank {rank} is outside a world of size {world}")));
+        return Err(LlamaError::Data(format!(
+            "rank {rank} is outside a world of size {world}"
+        )));
     }
     if global_batch % world != 0 {
         return Err(LlamaError::Data(format!(
@@ -503,7 +527,12 @@ mod tests {
         let b = ds.next_batch(&mut pos, 3);
         assert_eq!((b.batch, b.seq_len, b.inputs.len()), (3, 3, 9));
         let mut rows: Vec<(Vec<i64>, Vec<i64>)> = (0..3)
-            .map(|r| (b.inputs[r * 3..r * 3 + 3].to_vec(), b.targets[r * 3..r * 3 + 3].to_vec()))
+            .map(|r| {
+                (
+                    b.inputs[r * 3..r * 3 + 3].to_vec(),
+                    b.targets[r * 3..r * 3 + 3].to_vec(),
+                )
+            })
             .collect();
         rows.sort();
         assert_eq!(
@@ -524,7 +553,11 @@ mod tests {
         let mut pos = DataPosition::default();
         let train = ds.next_batch(&mut pos, 90);
         let val: Vec<Batch> = ds.val_batches(4).collect();
-        assert_eq!(val.len(), 2, "10 windows in batches of 4: the partial batch is dropped");
+        assert_eq!(
+            val.len(),
+            2,
+            "10 windows in batches of 4: the partial batch is dropped"
+        );
         let max_train = train.targets.iter().max().unwrap();
         let min_val = val.iter().flat_map(|b| &b.inputs).min().unwrap();
         assert!(max_train < min_val, "{max_train} vs {min_val}");
@@ -554,7 +587,10 @@ mod tests {
         assert!(a.epoch >= 2, "40 * 12 rows should span epochs: {a:?}");
         // Epochs are shuffled differently, and not in storage order.
         assert_ne!(*ds.epoch_order(0), *ds.epoch_order(1));
-        assert_ne!(*ds.epoch_order(0), (0..ds.train_windows() as u32).collect::<Vec<_>>());
+        assert_ne!(
+            *ds.epoch_order(0),
+            (0..ds.train_windows() as u32).collect::<Vec<_>>()
+        );
         let reseeded = TokenDataset::from_tokens((10..2010).collect(), 7, 0.05, 8).unwrap();
         assert_ne!(*ds.epoch_order(0), *reseeded.epoch_order(0));
     }
@@ -563,7 +599,10 @@ mod tests {
     fn rank_slices_concatenate_to_global_batch() {
         let ds = counting(3000, 5, 0.1);
         let world = 4;
-        let mut global_pos = DataPosition { epoch: 3, index: 440 };
+        let mut global_pos = DataPosition {
+            epoch: 3,
+            index: 440,
+        };
         let mut rank_pos = vec![global_pos; world];
         for _ in 0..5 {
             let global = ds.next_batch(&mut global_pos, 8);
@@ -578,7 +617,10 @@ mod tests {
             }
             assert_eq!((inputs, targets), (global.inputs, global.targets));
         }
-        let err = ds.next_batch_for_rank(&mut global_pos, 6, 0, 4).unwrap_err().to_string();
+        let err = ds
+            .next_batch_for_rank(&mut global_pos, 6, 0, 4)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains('6') && err.contains('4'), "{err}");
         let val: Vec<i64> = ds.val_batches(4).flat_map(|b| b.inputs).collect();
         let sliced: Vec<i64> = ds
@@ -591,7 +633,9 @@ mod tests {
 
     #[test]
     fn too_little_data_is_an_error() {
-        let err = TokenDataset::from_tokens(vec![1; 10], 9, 0.1, 0).unwrap_err().to_string();
+        let err = TokenDataset::from_tokens(vec![1; 10], 9, 0.1, 0)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("10 tokens"), "{err}");
         assert!(TokenDataset::from_tokens(vec![1; 10], 4, 1.5, 0).is_err());
     }
@@ -605,8 +649,11 @@ mod tests {
         std::fs::write(root.join(".git/HEAD"), "hidden").unwrap();
         std::fs::write(root.join(".hidden.txt"), "hidden").unwrap();
         std::fs::write(root.join("a.txt"), "first").unwrap();
-        std::fs::write(root.join("b/sub/c.jsonl"), "{\"text\": \"third\"}\n\n{\"text\": \"x\"}\n")
-            .unwrap();
+        std::fs::write(
+            root.join("b/sub/c.jsonl"),
+            "{\"text\": \"third\"}\n\n{\"text\": \"x\"}\n",
+        )
+        .unwrap();
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
         gz.write_all(b"second").unwrap();
         std::fs::write(root.join("b/a.txt.gz"), gz.finish().unwrap()).unwrap();
@@ -617,20 +664,32 @@ mod tests {
 
         let bad = root.join("b/sub/c.jsonl");
         std::fs::write(&bad, "{\"text\": \"ok\"}\n{\"body\": \"no\"}\n").unwrap();
-        let err = load_texts(&DataSource::Path(bad.clone()), "text").unwrap_err().to_string();
-        assert!(err.contains("c.jsonl:2") && err.contains("\"text\""), "{err}");
+        let err = load_texts(&DataSource::Path(bad.clone()), "text")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("c.jsonl:2") && err.contains("\"text\""),
+            "{err}"
+        );
         let docs = load_texts(&DataSource::Path(bad.clone()), "body");
         assert!(docs.unwrap_err().to_string().contains("c.jsonl:1"));
         std::fs::write(&bad, "{\"text\": 3}\nnot json\n").unwrap();
-        let err = load_texts(&DataSource::Path(bad.clone()), "text").unwrap_err().to_string();
+        let err = load_texts(&DataSource::Path(bad.clone()), "text")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("c.jsonl:1") && err.contains("number"), "{err}");
 
         let missing = root.join("nope.txt");
         let err = load_texts(&DataSource::Path(missing), "text").unwrap_err();
         assert!(matches!(err, LlamaError::Io { .. }) && err.to_string().contains("nope.txt"));
         let empty = root.join("b/empty.txt");
-        let err = load_texts(&DataSource::Path(empty), "text").unwrap_err().to_string();
-        assert!(err.contains("empty.txt") && err.contains("no text"), "{err}");
+        let err = load_texts(&DataSource::Path(empty), "text")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("empty.txt") && err.contains("no text"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod hf;
 pub mod tokenizer;
 
 pub use config::LlamaConfig;

@@ -6,8 +6,8 @@
 
 use std::path::Path;
 
-use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::models::TrainerWrapper;
+use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
@@ -37,7 +37,9 @@ pub struct TextTokenizer {
 
 impl std::fmt::Debug for TextTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TextTokenizer").field("vocab_size", &self.vocab_size()).finish()
+        f.debug_struct("TextTokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .finish()
     }
 }
 
@@ -69,7 +71,10 @@ impl TextTokenizer {
         inner.with_decoder(Some(ByteLevel::default()));
         inner.with_post_processor(Some(ByteLevel::new(false, true, true)));
 
-        let specials = SPECIAL_TOKENS.iter().map(|t| AddedToken::from(*t, true)).collect();
+        let specials = SPECIAL_TOKENS
+            .iter()
+            .map(|t| AddedToken::from(*t, true))
+            .collect();
         let trainer = BpeTrainerBuilder::new()
             .vocab_size(vocab_size)
             .min_frequency(0)
@@ -81,9 +86,13 @@ impl TextTokenizer {
 
         let pieces: Vec<&str> = texts.into_iter().flat_map(split_at_safe_points).collect();
         if pieces.iter().all(|p| p.is_empty()) {
-            return Err(LlamaError::Tokenizer("cannot train a tokenizer on empty text".into()));
+            return Err(LlamaError::Tokenizer(
+                "cannot train a tokenizer on empty text".into(),
+            ));
         }
-        inner.train(&mut trainer, pieces.into_iter()).map_err(|e| tok_err("training", e))?;
+        inner
+            .train(&mut trainer, pieces.into_iter())
+            .map_err(|e| tok_err("training", e))?;
 
         let tok = TextTokenizer { inner };
         for (id, t) in SPECIAL_TOKENS.iter().enumerate() {
@@ -150,12 +159,20 @@ impl TextTokenizer {
             pieces.extend(split_at_safe_points(t.as_ref()).filter(|p| !p.is_empty()));
             counts.push(pieces.len() - before);
         }
-        let encodings =
-            self.inner.encode_batch_fast(pieces, false).map_err(|e| tok_err("encoding", e))?;
+        let encodings = self
+            .inner
+            .encode_batch_fast(pieces, false)
+            .map_err(|e| tok_err("encoding", e))?;
         let mut encodings = encodings.into_iter();
         Ok(counts
             .into_iter()
-            .map(|n| encodings.by_ref().take(n).flat_map(|e| e.get_ids().to_vec()).collect())
+            .map(|n| {
+                encodings
+                    .by_ref()
+                    .take(n)
+                    .flat_map(|e| e.get_ids().to_vec())
+                    .collect()
+            })
             .collect())
     }
 
@@ -169,7 +186,9 @@ impl TextTokenizer {
                 "token id {bad} is outside the vocabulary of {vocab} tokens"
             )));
         }
-        self.inner.decode(ids, false).map_err(|e| tok_err("decoding", e))
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| tok_err("decoding", e))
     }
 
     /// Number of tokens, special tokens included (the model's `vocab_size` must be at least this).
@@ -179,12 +198,16 @@ impl TextTokenizer {
 
     /// Id of `<s>`.
     pub fn bos_id(&self) -> u32 {
-        self.inner.token_to_id(SPECIAL_TOKENS[BOS_ID as usize]).unwrap_or(BOS_ID)
+        self.inner
+            .token_to_id(SPECIAL_TOKENS[BOS_ID as usize])
+            .unwrap_or(BOS_ID)
     }
 
     /// Id of `</s>`.
     pub fn eos_id(&self) -> u32 {
-        self.inner.token_to_id(SPECIAL_TOKENS[EOS_ID as usize]).unwrap_or(EOS_ID)
+        self.inner
+            .token_to_id(SPECIAL_TOKENS[EOS_ID as usize])
+            .unwrap_or(EOS_ID)
     }
 
     /// The wrapped Hugging Face tokenizer, for anything this wrapper does not expose.
@@ -237,23 +260,34 @@ mod tests {
     fn corpus() -> String {
         let gz = include_bytes!("../../../data/shakespeare.txt.gz");
         let mut s = String::new();
-        flate2::read::GzDecoder::new(&gz[..]).read_to_string(&mut s).unwrap();
+        flate2::read::GzDecoder::new(&gz[..])
+            .read_to_string(&mut s)
+            .unwrap();
         s
     }
 
     fn small_tokenizer() -> (TextTokenizer, String) {
         let text = corpus();
         let sample = text[..400_000].to_string();
-        (TextTokenizer::train_byte_level_bpe([sample.as_str()], 600).unwrap(), text)
+        (
+            TextTokenizer::train_byte_level_bpe([sample.as_str()], 600).unwrap(),
+            text,
+        )
     }
 
     #[test]
     fn round_trip_and_vocab_size() {
         let (tok, text) = small_tokenizer();
         assert_eq!(tok.vocab_size(), 600);
-        assert_eq!((tok.inner.token_to_id("<unk>"), tok.bos_id(), tok.eos_id()), (Some(0), 1, 2));
+        assert_eq!(
+            (tok.inner.token_to_id("<unk>"), tok.bos_id(), tok.eos_id()),
+            (Some(0), 1, 2)
+        );
         // Lines from far past the training sample, plus text the sample never saw.
-        for line in text[3_000_000..3_020_000].lines().chain(["  naïve — café\t\r\n x", ""]) {
+        for line in text[3_000_000..3_020_000]
+            .lines()
+            .chain(["  naïve — café\t\r\n x", ""])
+        {
             let ids = tok.encode(line).unwrap();
             assert_eq!(tok.decode(&ids).unwrap(), line);
         }
@@ -266,7 +300,12 @@ mod tests {
         let (tok, text) = small_tokenizer();
         let part = &text[1_000_000..1_200_000];
         assert!(split_at_safe_points(part).count() > 5);
-        let whole = tok.inner.encode_fast(part, false).unwrap().get_ids().to_vec();
+        let whole = tok
+            .inner
+            .encode_fast(part, false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
         assert_eq!(tok.encode(part).unwrap(), whole);
         assert_eq!(tok.decode(&whole).unwrap(), part);
     }
@@ -289,7 +328,12 @@ mod tests {
         let missing = TextTokenizer::from_file(dir.path().join("nope.json")).unwrap_err();
         assert!(missing.to_string().contains("nope.json"), "{missing}");
         assert!(TextTokenizer::train_byte_level_bpe(["abc"], 100).is_err());
-        assert!(tok.decode(&[5000]).unwrap_err().to_string().contains("5000"));
+        assert!(
+            tok.decode(&[5000])
+                .unwrap_err()
+                .to_string()
+                .contains("5000")
+        );
     }
 
     /// Timing of the full-corpus training the example does; `--ignored` because it takes
