@@ -129,7 +129,7 @@ impl<C: Communicator + ?Sized> Communicator for Arc<C> {
     }
 }
 
-/// Typed helpers, blanket-implemented for every Communicator (and for Arc<dyn Communicator> / dyn Communicator).
+/// Typed helpers, blanket-implemented for every `Communicator` (and for `Arc<dyn Communicator>` / `dyn Communicator`).
 pub trait CommunicatorExt {
     /// Reduces `buf` element-wise across the group, in place.
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()>;

@@ -9,6 +9,21 @@
 //!
 //! Reductions are deterministic: every contribution is combined in rank order `0..n`, so all
 //! ranks receive bitwise-identical results equal to a serial reduction in rank order.
+//!
+//! ```
+//! use collectives::{CommOptions, CommunicatorExt, DeviceMesh, ReduceOp, run_on_threads};
+//!
+//! let sums = run_on_threads(4, CommOptions::default(), |world| {
+//!     let mesh = DeviceMesh::new(world.clone(), &[("replicate", 2), ("shard", 2)]).unwrap();
+//!     let mut grad = vec![world.rank() as f32; 3];
+//!     mesh.axis("shard").unwrap().all_reduce(&mut grad, ReduceOp::Sum).unwrap();
+//!     grad[0]
+//! });
+//! assert_eq!(sums, vec![1.0, 1.0, 5.0, 5.0]);
+//! ```
+//!
+//! A training program started by `smp-run --nproc-per-node 4 -- ./train` calls
+//! [`init_from_env`] to get its world communicator.
 
 mod algo;
 mod comm;
@@ -28,5 +43,5 @@ pub use error::{CommError, Result};
 pub use mesh::DeviceMesh;
 pub use rendezvous::{RendezvousConfig, expand_nodelist, free_port};
 pub use store::Store;
-pub use tcp::{init_tcp, init_tcp_with_store};
+pub use tcp::{init_from_env, init_tcp, init_tcp_with_store};
 pub use threads::{ThreadGroup, run_on_threads};

@@ -203,6 +203,17 @@ fn accept_peers(
     Ok(())
 }
 
+/// The world communicator for a process started by `smp-run`, torchrun or srun, with
+/// options from [`CommOptions::from_env`]; a process started on its own (neither `RANK`
+/// nor `SLURM_PROCID` set) gets a one-rank world that needs no network.
+pub fn init_from_env() -> Result<Arc<dyn Communicator>> {
+    let opts = CommOptions::from_env()?;
+    if std::env::var_os("RANK").is_none() && std::env::var_os("SLURM_PROCID").is_none() {
+        return Ok(crate::ThreadGroup::new(1, opts).remove(0));
+    }
+    init_tcp(&RendezvousConfig::from_env()?, opts)
+}
+
 /// Rendezvous through rank 0's store, then connects every pair of ranks over TCP.
 pub fn init_tcp(cfg: &RendezvousConfig, opts: CommOptions) -> Result<Arc<dyn Communicator>> {
     Ok(init_tcp_with_store(cfg, opts)?.0)
