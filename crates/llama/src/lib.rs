@@ -5,6 +5,7 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod hf;
+pub mod metrics;
 pub mod tokenizer;
 
 pub use config::LlamaConfig;
