@@ -463,7 +463,7 @@ fn rank_rows(global_batch: usize, rank: usize, world: usize) -> Result<(usize, u
             "rank {rank} is outside a world of size {world}"
         )));
     }
-    if global_batch % world != 0 {
+    if !global_batch.is_multiple_of(world) {
         return Err(LlamaError::Data(format!(
             "global batch {global_batch} is not divisible by the data-parallel world size \
              {world}"

@@ -374,7 +374,7 @@ mod tests {
         StepMetrics {
             step: i,
             loss,
-            val_loss: (i % 2 == 0).then_some(loss + 0.1),
+            val_loss: i.is_multiple_of(2).then_some(loss + 0.1),
             lr: 3e-4,
             grad_norm: 1.5,
             tokens_per_sec: 1e5,
