@@ -80,8 +80,27 @@ fn fold<T: Pod, A: Copy>(
     combine: impl Fn(A, A) -> A,
     finish: impl Fn(A) -> T,
 ) {
+    let typed: Option<Vec<&[T]>> = parts
+        .iter()
+        .map(|p| bytemuck::try_cast_slice::<u8, T>(p).ok())
+        .collect();
+    // Typed loops over aligned slices vectorise; buffers from the allocator and from typed
+    // callers are normally aligned, so the byte-wise path below is only a fallback.
+    if let Some(ps) = typed
+        && let Ok(o) = bytemuck::try_cast_slice_mut::<u8, T>(out)
+    {
+        let mut acc: Vec<A> = ps[0].iter().map(|&x| to(x)).collect();
+        for p in &ps[1..] {
+            for (a, &x) in acc.iter_mut().zip(p.iter()) {
+                *a = combine(*a, to(x));
+            }
+        }
+        for (o, a) in o.iter_mut().zip(acc) {
+            *o = finish(a);
+        }
+        return;
+    }
     let sz = std::mem::size_of::<T>();
-    // Received buffers carry no alignment guarantee, hence unaligned reads.
     let read = |b: &[u8]| to(bytemuck::pod_read_unaligned::<T>(b));
     let mut acc: Vec<A> = parts[0].chunks_exact(sz).map(read).collect();
     for p in &parts[1..] {
@@ -165,6 +184,23 @@ mod tests {
             .collect();
         assert_eq!(reduce(ReduceOp::Sum, &parts)[0].to_f32(), 258.0);
         assert_eq!(reduce(ReduceOp::Avg, &parts)[0], bf16::from_f32(86.0));
+    }
+
+    #[test]
+    fn unaligned_buffers_reduce_like_aligned_ones() {
+        let a: Vec<f32> = (0..33).map(|i| i as f32 * 0.1).collect();
+        let b: Vec<f32> = (0..33).map(|i| i as f32 * -0.3 + 1.0).collect();
+        let want = reduce(ReduceOp::Sum, &[a.clone(), b.clone()]);
+        let mut shifted = vec![0u8; 33 * 4 + 1];
+        shifted[1..].copy_from_slice(bytemuck::cast_slice(&b));
+        let mut out = vec![0u8; 33 * 4 + 1];
+        reduce_into(
+            DType::F32,
+            ReduceOp::Sum,
+            &mut out[1..],
+            &[bytemuck::cast_slice(&a), &shifted[1..]],
+        );
+        assert_eq!(&out[1..], bytemuck::cast_slice::<f32, u8>(&want));
     }
 
     #[test]

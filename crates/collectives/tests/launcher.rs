@@ -111,3 +111,56 @@ fn launcher_rejects_bad_arguments() {
     assert_eq!(o.status.code(), Some(127));
     assert!(text(&o).1.contains("/nonexistent/program"));
 }
+
+#[test]
+fn sigterm_is_forwarded_to_the_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!(
+        "echo $$ > {}/pid.$RANK; echo started; exec sleep 30",
+        dir.path().display()
+    );
+    let mut child = Command::new(RUN)
+        .args([
+            "--nproc-per-node",
+            "2",
+            "--kill-grace-secs",
+            "3",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid_file = |r: usize| dir.path().join(format!("pid.{r}"));
+    let t = Instant::now();
+    while !(pid_file(0).exists() && pid_file(1).exists()) {
+        assert!(t.elapsed() < Duration::from_secs(5), "ranks never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The ctrlc handler is installed before the ranks start, so the signal is not lost.
+    let st = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let t = Instant::now();
+    let status = child.wait().unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(status.code(), Some(130));
+    for r in 0..2 {
+        let pid = std::fs::read_to_string(pid_file(r)).unwrap();
+        let proc_dir = format!("/proc/{}", pid.trim());
+        assert!(
+            !std::path::Path::new(&proc_dir).exists(),
+            "rank {r} (pid {}) survived the launcher",
+            pid.trim()
+        );
+    }
+}
