@@ -191,16 +191,19 @@ mod tests {
         let a: Vec<f32> = (0..33).map(|i| i as f32 * 0.1).collect();
         let b: Vec<f32> = (0..33).map(|i| i as f32 * -0.3 + 1.0).collect();
         let want = reduce(ReduceOp::Sum, &[a.clone(), b.clone()]);
-        let mut shifted = vec![0u8; 33 * 4 + 1];
-        shifted[1..].copy_from_slice(bytemuck::cast_slice(&b));
-        let mut out = vec![0u8; 33 * 4 + 1];
+        // f32 backing storage makes byte offset 1 certainly misaligned.
+        let mut shifted = vec![0f32; 34];
+        let shifted: &mut [u8] = bytemuck::cast_slice_mut(&mut shifted);
+        shifted[1..=33 * 4].copy_from_slice(bytemuck::cast_slice(&b));
+        let mut out = vec![0f32; 34];
+        let out: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
         reduce_into(
             DType::F32,
             ReduceOp::Sum,
-            &mut out[1..],
-            &[bytemuck::cast_slice(&a), &shifted[1..]],
+            &mut out[1..=33 * 4],
+            &[bytemuck::cast_slice(&a), &shifted[1..=33 * 4]],
         );
-        assert_eq!(&out[1..], bytemuck::cast_slice::<f32, u8>(&want));
+        assert_eq!(&out[1..=33 * 4], bytemuck::cast_slice::<f32, u8>(&want));
     }
 
     #[test]

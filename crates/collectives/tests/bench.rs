@@ -26,7 +26,7 @@ fn large_all_reduce_throughput() {
             let worst = secs.iter().cloned().fold(0.0, f64::max);
             eprintln!(
                 "{backend:?} world {world}: {} MiB f32 all_reduce in {:.3}s ({:.2} GB/s algorithm bandwidth)",
-                elems * 4 >> 20,
+                (elems * 4) >> 20,
                 worst,
                 (elems * 4) as f64 / worst / 1e9
             );
