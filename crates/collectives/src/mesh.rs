@@ -93,6 +93,30 @@ impl DeviceMesh {
         Ok(self.groups[self.index(name)?].clone())
     }
 
+    /// Communicator over several axes at once (e.g. `["replicate", "shard"]` for data
+    /// parallelism across both): the ranks that share every coordinate of the OTHER axes,
+    /// in rank order, named like `replicate+shard`.
+    ///
+    /// Collective over the world: every rank calls it with the same names in the same order
+    /// (it splits the world communicator).
+    pub fn flatten(&self, names: &[&str]) -> Result<Arc<dyn Communicator>> {
+        let idx: Vec<usize> = names.iter().map(|n| self.index(n)).collect::<Result<_>>()?;
+        let n = self.names.len();
+        let mut strides = vec![1usize; n];
+        for i in (0..n.saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * self.degrees[i + 1];
+        }
+        let rank = self.world.rank();
+        let members: Vec<usize> = (0..self.world.world_size())
+            .filter(|&r| {
+                (0..n)
+                    .all(|i| idx.contains(&i) || r / strides[i] % self.degrees[i] == self.coords[i])
+            })
+            .collect();
+        debug_assert!(members.contains(&rank));
+        self.world.split(&names.join("+"), &members)
+    }
+
     /// This rank's coordinate along `name`.
     ///
     /// # Panics

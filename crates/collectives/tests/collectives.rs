@@ -168,6 +168,14 @@ fn mesh_body(world: Arc<dyn Communicator>) -> (usize, Vec<i64>, Vec<i64>) {
     // Interleave collectives on overlapping groups to exercise demultiplexing.
     mesh.world().barrier().unwrap();
     let rs = rep.reduce_scatter(&[g as i64; 4], ReduceOp::Sum).unwrap();
+    let dp = mesh.flatten(&["replicate", "shard"]).unwrap();
+    assert_eq!(dp.world_size(), 4);
+    assert_eq!(dp.group().name, "replicate+shard");
+    let mut one = [1i32];
+    dp.all_reduce(&mut one, ReduceOp::Sum).unwrap();
+    assert_eq!(one[0], 4);
+    let rt = mesh.flatten(&["replicate", "tensor"]).unwrap();
+    assert_eq!(rt.group().global_ranks, vec![g % 2, g % 2 + 2]);
     let unknown = mesh.axis("pipeline").unwrap_err().to_string();
     assert!(
         unknown.contains("'pipeline'") && unknown.contains("shard"),
