@@ -164,3 +164,44 @@ fn sigterm_is_forwarded_to_the_ranks() {
         );
     }
 }
+
+#[test]
+fn two_launchers_form_one_job_as_two_nodes() {
+    let port = collectives::free_port().unwrap().to_string();
+    let launch = |node: &str| {
+        Command::new(RUN)
+            .args([
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                node,
+            ])
+            .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--"])
+            .args([SELFTEST, "--elems", "64"])
+            .env("SMP_COMM_TIMEOUT_SECS", "10")
+            .env("SMP_RENDEZVOUS_TIMEOUT_SECS", "10")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let nodes = [launch("0"), launch("1")];
+    for (node, child) in nodes.into_iter().enumerate() {
+        let o = child.wait_with_output().unwrap();
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "node {node}:\n{out}\n{err}");
+        for local in 0..2 {
+            let rank = node * 2 + local;
+            assert!(
+                out.contains(&format!("[rank {rank}] all_reduce ok: world 4")),
+                "{out}"
+            );
+            assert!(
+                out.contains(&format!("[rank {rank}] selftest passed")),
+                "{out}"
+            );
+        }
+    }
+}
