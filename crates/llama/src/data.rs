@@ -27,6 +27,17 @@ pub enum DataSource {
     Path(PathBuf),
 }
 
+impl DataSource {
+    /// The source a command-line value names: `embedded` or `shakespeare` for the built-in
+    /// corpus, anything else a path.
+    pub fn from_arg(arg: &str) -> Self {
+        match arg {
+            "embedded" | "shakespeare" => DataSource::Embedded,
+            path => DataSource::Path(PathBuf::from(path)),
+        }
+    }
+}
+
 impl std::fmt::Display for DataSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -694,7 +705,8 @@ mod tests {
 
     #[test]
     fn embedded_corpus_tokenizes_quickly() {
-        let docs = load_texts(&DataSource::Embedded, "text").unwrap();
+        assert_eq!(DataSource::from_arg("shakespeare"), DataSource::Embedded);
+        let docs = load_texts(&DataSource::from_arg("embedded"), "text").unwrap();
         assert_eq!(docs.len(), 1);
         assert!(docs[0].len() > 5_000_000 && docs[0].starts_with("ALL'S WELL"));
         let tok = TextTokenizer::train_byte_level_bpe([&docs[0][..300_000]], 512).unwrap();
