@@ -12,7 +12,7 @@
 //!
 //! One GPU per thread by default; one process per GPU when `RANK`/`WORLD_SIZE` are set (e.g.
 //! under `torchrun` or `smp-run`). Flags: `--max-mib N` (1024), `--iters N` (20),
-//! `--world N` (all GPUs), `--no-overlap`.
+//! `--world N` (all GPUs), `--no-overlap`, `--profile` (host cost of the bridge's steps).
 //! Machine-readable lines: `RESULT|op|bytes|variant|ms|busbw_GBps`.
 
 use std::sync::Arc;
@@ -36,6 +36,7 @@ struct Args {
     iters: usize,
     world: Option<usize>,
     overlap: bool,
+    profile: bool,
 }
 
 fn parse_args() -> Args {
@@ -44,22 +45,23 @@ fn parse_args() -> Args {
         iters: 20,
         world: None,
         overlap: true,
+        profile: false,
     };
-    let v: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < v.len() {
-        let next = |i: usize| v.get(i + 1).and_then(|s| s.parse().ok()).expect("flag value");
-        match v[i].as_str() {
-            "--max-mib" => a.max_mib = next(i),
-            "--iters" => a.iters = next(i),
-            "--world" => a.world = Some(next(i)),
-            "--no-overlap" => {
-                a.overlap = false;
-                i -= 1;
-            }
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || -> usize {
+            it.next()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("{flag} needs a number"))
+        };
+        match flag.as_str() {
+            "--max-mib" => a.max_mib = value(),
+            "--iters" => a.iters = value(),
+            "--world" => a.world = Some(value()),
+            "--no-overlap" => a.overlap = false,
+            "--profile" => a.profile = true,
             other => panic!("unknown flag {other}"),
         }
-        i += 2;
     }
     a
 }
@@ -87,7 +89,8 @@ struct Row {
 /// Slowest rank's time, so that every rank reports the same figure.
 fn slowest(host: &dyn Communicator, secs: f64) -> f64 {
     let mut v = [secs];
-    host.all_reduce(&mut v, ReduceOp::Max).expect("all_reduce max");
+    host.all_reduce(&mut v, ReduceOp::Max)
+        .expect("all_reduce max");
     v[0]
 }
 
@@ -120,7 +123,9 @@ fn run_rank(host: Arc<dyn Communicator>, device: usize, args: &Args) -> Vec<Row>
         let v = |t: Tensor<B, 1>| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
         let (vs, vg, vr, vb) = (v(sum + 0.0), v(g * 1.0), v(rs * 1.0), v(b * 1.0));
         let ok = vs.iter().all(|x| *x == want)
-            && (0..world).all(|r| vg[r << 20] == (r + 1) as f32 && vg[((r + 1) << 20) - 1] == (r + 1) as f32)
+            && (0..world).all(|r| {
+                vg[r << 20] == (r + 1) as f32 && vg[((r + 1) << 20) - 1] == (r + 1) as f32
+            })
             && vr.iter().all(|x| *x == want)
             && vb.iter().all(|x| *x == world as f32);
         let mut flag = [if ok { 0u8 } else { 1u8 }];
@@ -161,7 +166,9 @@ fn run_rank(host: Arc<dyn Communicator>, device: usize, args: &Args) -> Vec<Row>
                     // stream is synchronized below; `s` belongs to the same context.
                     unsafe {
                         match op {
-                            "all_reduce" => nccl.all_reduce(sp, rp, n, DType::BF16, ReduceOp::Sum, s),
+                            "all_reduce" => {
+                                nccl.all_reduce(sp, rp, n, DType::BF16, ReduceOp::Sum, s)
+                            }
                             "all_gather" => nccl.all_gather(sp, rp, shard, DType::BF16, s),
                             "reduce_scatter" => {
                                 nccl.reduce_scatter(sp, rp, shard, DType::BF16, ReduceOp::Sum, s)
@@ -174,13 +181,15 @@ fn run_rank(host: Arc<dyn Communicator>, device: usize, args: &Args) -> Vec<Row>
                 for _ in 0..warm {
                     one();
                 }
-                nccl.synchronize(s).unwrap();
+                // SAFETY: `s` is this device's live stream.
+                unsafe { nccl.synchronize(s) }.unwrap();
                 host.barrier().unwrap();
                 let t = Instant::now();
                 for _ in 0..iters {
                     one();
                 }
-                nccl.synchronize(s).unwrap();
+                // SAFETY: `s` is this device's live stream.
+                unsafe { nccl.synchronize(s) }.unwrap();
                 let dt = slowest(host.as_ref(), t.elapsed().as_secs_f64() / iters as f64);
                 rows.push(Row {
                     op,
@@ -194,11 +203,15 @@ fn run_rank(host: Arc<dyn Communicator>, device: usize, args: &Args) -> Vec<Row>
             let input_len = if op == "all_gather" { shard } else { n };
             let x = Tensor::<B, 1>::ones([input_len], &dev);
             B::sync(&dev).unwrap();
-            for (variant, ordering) in [("burn", Ordering::Events), ("hostsync", Ordering::HostSync)] {
+            for (variant, ordering) in
+                [("burn", Ordering::Events), ("hostsync", Ordering::HostSync)]
+            {
                 comm.set_ordering(ordering);
                 let one = || {
                     let out = match op {
-                        "all_reduce" => TensorComm::<B>::all_reduce(&comm, x.clone(), ReduceOp::Sum),
+                        "all_reduce" => {
+                            TensorComm::<B>::all_reduce(&comm, x.clone(), ReduceOp::Sum)
+                        }
                         "all_gather" => TensorComm::<B>::all_gather(&comm, x.clone()),
                         "reduce_scatter" => {
                             TensorComm::<B>::reduce_scatter(&comm, x.clone(), ReduceOp::Sum)
@@ -230,7 +243,14 @@ fn run_rank(host: Arc<dyn Communicator>, device: usize, args: &Args) -> Vec<Row>
             }
             comm.set_ordering(Ordering::Events);
             if rank == 0 {
-                for r in rows.iter().rev().take(3).collect::<Vec<_>>().into_iter().rev() {
+                for r in rows
+                    .iter()
+                    .rev()
+                    .take(3)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                {
                     println!(
                         "RESULT|{}|{}|{}|{:.4}|{:.1}",
                         r.op, r.bytes, r.variant, r.ms, r.busbw
@@ -243,7 +263,73 @@ fn run_rank(host: Arc<dyn Communicator>, device: usize, args: &Args) -> Vec<Row>
     if args.overlap {
         overlap(host.as_ref(), &comm, &dev, iters);
     }
+    if args.profile {
+        profile(host.as_ref(), &comm, &dev, device);
+    }
     rows
+}
+
+/// Host-side cost of the bridge's steps for a 64 MiB all-reduce (enqueue only, no waits).
+fn profile(host: &dyn Communicator, comm: &CudaTensorComm, dev: &CudaDevice, device: usize) {
+    let n = (64 << 20) / 2;
+    let reps = 50;
+    let x = Tensor::<B, 1>::ones([n], dev);
+    let bridge = smp_burn::cuda::StreamBridge::new(device).unwrap();
+    let settle = || {
+        comm.synchronize().unwrap();
+        B::sync(dev).unwrap();
+        bridge.context().synchronize().unwrap();
+        host.barrier().unwrap();
+    };
+    let per = |t: Instant| t.elapsed().as_secs_f64() / reps as f64 * 1e6;
+    settle();
+    let t = Instant::now();
+    for _ in 0..reps {
+        drop(Tensor::<B, 1>::empty([n], dev));
+    }
+    let t_empty = per(t);
+    settle();
+    let t = Instant::now();
+    for _ in 0..reps {
+        drop(smp_burn::cuda::pin_tensor(&x).unwrap());
+    }
+    let t_pin = per(t);
+    settle();
+    let t = Instant::now();
+    for _ in 0..reps {
+        let o = Tensor::<B, 1>::empty([n], dev);
+        drop(smp_burn::cuda::pin_tensor(&o).unwrap());
+    }
+    let t_pin_new = per(t);
+    settle();
+    let t = Instant::now();
+    for _ in 0..reps {
+        bridge.burn_to_comm().unwrap();
+        bridge.comm_to_burn().unwrap();
+    }
+    let t_fence = per(t);
+    settle();
+    let mut enq = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        for _ in 0..reps {
+            drop(TensorComm::<B>::all_reduce(comm, x.clone(), ReduceOp::Sum).unwrap());
+        }
+        enq.push(per(t));
+        settle();
+    }
+    let t = Instant::now();
+    for _ in 0..reps {
+        drop(TensorComm::<B>::all_reduce(comm, x.clone(), ReduceOp::Sum).unwrap());
+    }
+    comm.synchronize().unwrap();
+    B::sync(dev).unwrap();
+    let t_total = per(t);
+    if host.rank() == 0 {
+        println!(
+            "PROFILE|64MiB all_reduce, us per op (host): empty {t_empty:.1}; pin existing {t_pin:.1}; empty+pin {t_pin_new:.1}; fence pair {t_fence:.1}; whole op enqueue {enq:.1?}; whole op incl. GPU {t_total:.1}"
+        );
+    }
 }
 
 /// Does a Burn matmul loop overlap an all-gather loop? Times each alone and both interleaved
@@ -281,7 +367,10 @@ fn overlap(host: &dyn Communicator, comm: &CudaTensorComm, dev: &CudaDevice, ite
     if rank == 0 {
         let tflops = 2.0 * (m as f64).powi(3) / (t_mm * 1e-3) / 1e12;
         println!("RESULT|overlap_matmul_8192|0|alone|{t_mm:.4}|{tflops:.1}");
-        println!("RESULT|overlap_allgather_256MiB|{}|alone|{t_ag:.4}|0", 256 << 20);
+        println!(
+            "RESULT|overlap_allgather_256MiB|{}|alone|{t_ag:.4}|0",
+            256 << 20
+        );
         println!("RESULT|overlap_both|0|interleaved|{t_both:.4}|0");
         let hidden = (t_mm + t_ag - t_both) / t_mm.min(t_ag) * 100.0;
         println!(
@@ -292,7 +381,10 @@ fn overlap(host: &dyn Communicator, comm: &CudaTensorComm, dev: &CudaDevice, ite
 }
 
 fn print_table(rows: &[Row]) {
-    println!("\n{:<15} {:>9} {:>22} {:>22} {:>22}", "op", "size", "bare ms / GB/s", "burn ms / GB/s", "hostsync ms / GB/s");
+    println!(
+        "\n{:<15} {:>9} {:>22} {:>22} {:>22}",
+        "op", "size", "bare ms / GB/s", "burn ms / GB/s", "hostsync ms / GB/s"
+    );
     let mut keys: Vec<(&str, usize)> = rows.iter().map(|r| (r.op, r.bytes)).collect();
     keys.dedup();
     for (op, bytes) in keys {

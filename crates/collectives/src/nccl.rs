@@ -485,11 +485,13 @@ impl NcclComm {
     /// Blocks until `stream` has run everything queued on it, failing (and aborting the
     /// communicator) if that takes longer than the timeout or NCCL reports an error. For tests
     /// and benchmarks; the training path orders work on the GPU instead of waiting here.
-    pub fn synchronize(&self, stream: CuStream) -> Result<(), CommError> {
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this communicator's context.
+    pub unsafe fn synchronize(&self, stream: CuStream) -> Result<(), CommError> {
         let t0 = Instant::now();
         loop {
-            // SAFETY: `stream` is a live stream of this context (caller's contract for every
-            // collective it was passed to).
+            // SAFETY: `stream` is a live stream of this context (caller's contract).
             match unsafe { ds::cuStreamQuery(stream) } {
                 ds::CUresult::CUDA_SUCCESS => return self.check(),
                 ds::CUresult::CUDA_ERROR_NOT_READY => {}

@@ -175,7 +175,8 @@ impl StreamBridge {
     pub fn new(index: usize) -> Result<Self, SmpError> {
         let ctx = CudaContext::new(index).map_err(|e| cuda_err("CUDA context", e))?;
         let stream = ctx.new_stream().map_err(|e| cuda_err("comm stream", e))?;
-        ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        ctx.bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
         let ev = || {
             cudarc::driver::result::event::create(ds::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map(Event)
@@ -207,7 +208,9 @@ impl StreamBridge {
         CudaRuntime::client(&self.device)
             .flush()
             .map_err(|e| cuda_err("CubeCL flush", e))?;
-        self.ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
         // SAFETY: the context, event and stream are live and belong to the same device.
         unsafe {
             ds::cuCtxRecordEvent(self.ctx.cu_ctx(), self.ev_to_comm.0)
@@ -223,7 +226,9 @@ impl StreamBridge {
     /// Makes all work submitted to the device from now on (Burn's next kernels) wait, on the
     /// GPU, for everything queued so far on the comm stream.
     pub fn comm_to_burn(&self) -> Result<(), SmpError> {
-        self.ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
         // SAFETY: as in `burn_to_comm`.
         unsafe {
             ds::cuEventRecord(self.ev_to_burn.0, self.stream())
@@ -303,7 +308,8 @@ impl CudaTensorComm {
     /// Waits on the host until every queued collective has run (bounded by the NCCL timeout).
     pub fn synchronize(&self) -> Result<(), SmpError> {
         let b = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(self.nccl.synchronize(b.stream())?)
+        // SAFETY: the bridge's stream lives as long as the bridge, on the communicator's device.
+        Ok(unsafe { self.nccl.synchronize(b.stream()) }?)
     }
 
     fn check_device(&self, op: &str, d: &CudaDevice) -> Result<(), SmpError> {
@@ -338,7 +344,8 @@ impl CudaTensorComm {
             Ordering::HostSync => {
                 Cuda::<F, I>::sync(device).map_err(|e| cuda_err("Burn sync", e))?;
                 f(b.stream())?;
-                self.nccl.synchronize(b.stream())?;
+                // SAFETY: as in `synchronize`.
+                unsafe { self.nccl.synchronize(b.stream()) }?;
             }
         }
         drop(keep);
@@ -382,7 +389,7 @@ impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
         self.check_device("reduce_scatter", &device)?;
         let total = full.dims()[0];
         let world = self.nccl.world_size();
-        if total % world != 0 {
+        if !total.is_multiple_of(world) {
             return Err(CommError::SizeMismatch {
                 op: "reduce_scatter".into(),
                 group: self.nccl.group().clone(),
@@ -484,7 +491,14 @@ mod tests {
             let v = |t: Tensor<B, 1>| t.into_data().to_vec::<f32>().unwrap();
             assert_eq!(v(g), vec![1.0, 2.0, 3.0, 4.0, 2.0, 2.0, 3.0, 4.0]);
             assert_eq!(v(s.clone()), vec![3.0, 4.0, 6.0, 8.0]);
-            assert_eq!(v(rs), if r == 0 { vec![3.0, 4.0] } else { vec![6.0, 8.0] });
+            assert_eq!(
+                v(rs),
+                if r == 0 {
+                    vec![3.0, 4.0]
+                } else {
+                    vec![6.0, 8.0]
+                }
+            );
             assert_eq!(v(b), vec![4.0, 4.0, 6.0, 8.0]);
         });
     }
