@@ -1,1 +1,124 @@
-//! placeholder
+//! Shared helpers for the cross-crate tests: a tiny sharded Llama trained on threads-as-ranks.
+
+use std::sync::Arc;
+
+use burn::backend::Autodiff;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_ndarray::NdArray;
+use collectives::{Communicator, DeviceMesh};
+use llama::LlamaConfig;
+use llama::parallel::{ShardedLlama, seeded_init};
+use smp_burn::fsdp::{AdamW, FsdpContext, StateKind};
+use smp_burn::{HostTensorComm, ParallelConfig, ParallelDims, TensorComm};
+
+/// The CPU backend the tests train on.
+pub type Cpu = Autodiff<NdArray<f32>>;
+
+/// What a rank ends a test run with.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    /// Mean loss over all data-parallel ranks, per step.
+    pub losses: Vec<f64>,
+    /// Global gradient norms, per step.
+    pub grad_norms: Vec<f64>,
+    /// Every parameter after training (full, gathered), by Hugging Face name.
+    pub params: Vec<(String, Vec<f32>)>,
+    /// Bytes of parameter, gradient and optimizer state this rank held after the last step.
+    pub state_bytes: usize,
+}
+
+/// Deterministic token batches: `[global_batch, seq]` inputs and next-token targets.
+pub fn synthetic_batch(step: usize, global_batch: usize, seq: usize, vocab: usize) -> Vec<i64> {
+    let mut x = (step as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (0..global_batch * (seq + 1))
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // A skewed distribution so the model has something to learn.
+            ((x % vocab as u64) * (x % 3 + 1) / 3) as i64
+        })
+        .collect()
+}
+
+/// Trains the tiny model for `steps` steps on this rank's slice of each global batch, with
+/// `micro_batches` gradient-accumulation steps per optimizer step.
+pub fn train_rank(
+    comm: Arc<dyn Communicator>,
+    parallel: &ParallelConfig,
+    config: &LlamaConfig,
+    steps: usize,
+    global_batch: usize,
+    seq: usize,
+    micro_batches: usize,
+) -> RunResult {
+    let device = Default::default();
+    let world = comm.world_size();
+    let dims = ParallelDims::new(parallel, world).expect("valid dims");
+    let mesh = DeviceMesh::new(comm.clone(), &dims.mesh_axes()).expect("mesh");
+    let shard: Arc<dyn TensorComm<NdArray<f32>>> =
+        Arc::new(HostTensorComm::new(mesh.axis("shard").expect("shard axis")));
+    let replicate: Arc<dyn TensorComm<NdArray<f32>>> =
+        Arc::new(HostTensorComm::new(mesh.axis("replicate").expect("replicate axis")));
+    let ctx = FsdpContext::new(shard, Some(replicate), parallel);
+    let init = seeded_init(42);
+    let mut model = ShardedLlama::<Cpu>::new(
+        config,
+        ctx,
+        &device,
+        parallel.activation_checkpointing,
+        &init,
+    )
+    .expect("model");
+    let dp_rank = comm.rank() / dims.tensor;
+    let dp = world / dims.tensor;
+    let local = global_batch / dp;
+    // A large epsilon keeps Adam's update proportional to the gradient for tiny gradients, where
+    // `g / sqrt(v)` would otherwise turn rounding noise into a full +-lr step of either sign.
+    let opt = AdamW { eps: 1e-3, ..AdamW::default() };
+    let mut result = RunResult { losses: vec![], grad_norms: vec![], params: vec![], state_bytes: 0 };
+    for step in 0..steps {
+        let mut loss_sum = 0.0;
+        for mb in 0..micro_batches {
+            let all = synthetic_batch(step * micro_batches + mb, global_batch, seq, config.vocab_size);
+            let rows = &all[dp_rank * local * (seq + 1)..(dp_rank + 1) * local * (seq + 1)];
+            let inputs: Vec<i64> = rows.chunks(seq + 1).flat_map(|r| r[..seq].to_vec()).collect();
+            let targets: Vec<i64> = rows.chunks(seq + 1).flat_map(|r| r[1..].to_vec()).collect();
+            let tokens = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(inputs, [local, seq]), &device);
+            let targets =
+                Tensor::<Cpu, 2, Int>::from_data(TensorData::new(targets, [local, seq]), &device);
+            let last = mb + 1 == micro_batches;
+            let loss = model
+                .forward_backward(tokens, targets, 1.0 / micro_batches as f32, !last)
+                .expect("step");
+            let loss = model.context().mean_over_data_parallel(loss).expect("loss mean");
+            loss_sum += loss.into_scalar() as f64 / micro_batches as f64;
+        }
+        let stats = model.optimizer_step(&opt, 1e-2, step as u64 + 1, Some(1.0)).expect("optimizer");
+        result.losses.push(loss_sum);
+        result.grad_norms.push(stats.grad_norm);
+    }
+    result.state_bytes = model.state_bytes();
+    result.params = model
+        .gather_named(StateKind::Weights)
+        .expect("gather")
+        .into_iter()
+        .map(|(n, _, v)| (n, v))
+        .collect();
+    result
+}
+
+/// The largest relative difference between two runs' parameters: `max |a-b| / (max |a| + tiny)`
+/// per tensor.
+pub fn max_param_rel_diff(a: &RunResult, b: &RunResult) -> f64 {
+    a.params
+        .iter()
+        .zip(&b.params)
+        .map(|((na, va), (nb, vb))| {
+            assert_eq!(na, nb);
+            let scale = va.iter().fold(0f32, |m, x| m.max(x.abs())) as f64 + 1e-12;
+            let diff = va.iter().zip(vb).fold(0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
+            diff / scale
+        })
+        .fold(0.0, f64::max)
+}

@@ -6,6 +6,8 @@ pub mod data;
 pub mod error;
 pub mod hf;
 pub mod metrics;
+pub mod model;
+pub mod parallel;
 pub mod tokenizer;
 
 pub use config::LlamaConfig;

@@ -177,7 +177,7 @@ impl FlatLayout {
                 self.path.pop();
             }
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                let shape = param.lazy_shape().dims.to_vec();
+                let shape = param.lazy_shape().to_vec();
                 let numel = shape.iter().product();
                 self.params.push(FlatParam {
                     name: self.path.join("."),
@@ -188,11 +188,19 @@ impl FlatLayout {
                 self.offset += numel;
             }
         }
-        let mut c = Collect { path: vec![], params: vec![], offset: 0 };
+        let mut c = Collect {
+            path: vec![],
+            params: vec![],
+            offset: 0,
+        };
         module.visit(&mut c);
         let numel = c.offset;
         let padded = numel.div_ceil(shard_degree) * shard_degree;
-        Self { params: c.params, numel, padded: padded.max(shard_degree) }
+        Self {
+            params: c.params,
+            numel,
+            padded: padded.max(shard_degree),
+        }
     }
 
     /// Elements each rank holds.
@@ -234,7 +242,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         name: impl Into<String>,
         template: M,
         ctx: &FsdpContext<B::InnerBackend>,
-        device: &<B::InnerBackend as Backend>::Device,
+        device: &B::Device,
         init: impl Fn(&FlatParam, Range<usize>) -> Vec<f32>,
     ) -> Result<Self, SmpError> {
         let degree = ctx.shard.world_size();
@@ -258,7 +266,10 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                     )));
                 }
                 values.extend(part);
-                decay.extend(std::iter::repeat_n(if p.shape.len() >= 2 { 1.0 } else { 0.0 }, hi - lo));
+                decay.extend(std::iter::repeat_n(
+                    if p.shape.len() >= 2 { 1.0 } else { 0.0 },
+                    hi - lo,
+                ));
             }
         }
         values.resize(range.len(), 0.0);
@@ -289,9 +300,17 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
 
     /// The module with full parameters, all-gathered in the compute dtype. With `track_grad`
     /// every parameter is an autodiff leaf whose gradient [`Self::accumulate_grads`] collects.
-    pub fn gather(&self, ctx: &FsdpContext<B::InnerBackend>, track_grad: bool) -> Result<M, SmpError> {
+    pub fn gather(
+        &self,
+        ctx: &FsdpContext<B::InnerBackend>,
+        track_grad: bool,
+    ) -> Result<M, SmpError> {
         let shard = self.master.clone().cast(ctx.param_dtype);
-        let full = if self.degree == 1 { shard } else { ctx.timed(|| ctx.shard.all_gather(shard))? };
+        let full = if self.degree == 1 {
+            shard
+        } else {
+            ctx.timed(|| ctx.shard.all_gather(shard))?
+        };
         struct Unflatten<'a, IB: Backend> {
             full: Tensor<IB, 1>,
             layout: &'a FlatLayout,
@@ -299,11 +318,22 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             track_grad: bool,
         }
         impl<B: AutodiffBackend> ModuleMapper<B> for Unflatten<'_, B::InnerBackend> {
-            fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<B, D>>,
+            ) -> Param<Tensor<B, D>> {
                 let spec = &self.layout.params[self.next];
                 self.next += 1;
-                let dims: [usize; D] = spec.shape.clone().try_into().expect("rank recorded by layout");
-                let inner = self.full.clone().narrow(0, spec.offset, spec.numel).reshape(dims);
+                let dims: [usize; D] = spec
+                    .shape
+                    .clone()
+                    .try_into()
+                    .expect("rank recorded by layout");
+                let inner = self
+                    .full
+                    .clone()
+                    .narrow(0, spec.offset, spec.numel)
+                    .reshape(dims);
                 let mut t = Tensor::<B, D>::from_inner(inner);
                 if self.track_grad {
                     t = t.require_grad();
@@ -312,7 +342,12 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                 Param::initialized(param.id, t)
             }
         }
-        let mut mapper = Unflatten { full, layout: &self.layout, next: 0, track_grad };
+        let mut mapper = Unflatten {
+            full,
+            layout: &self.layout,
+            next: 0,
+            track_grad,
+        };
         Ok(self.template.clone().map(&mut mapper))
     }
 
@@ -334,7 +369,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             grads: &'a B::Gradients,
             pieces: Vec<Tensor<B::InnerBackend, 1>>,
             layout: &'a FlatLayout,
-            device: Option<<B::InnerBackend as Backend>::Device>,
+            device: Option<B::Device>,
         }
         impl<B: AutodiffBackend> ModuleVisitor<B> for Grads<'_, B> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -344,19 +379,29 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                 let piece = match value.grad(self.grads) {
                     Some(g) => g.cast(FloatDType::F32).reshape([spec.numel]),
                     // A parameter the step did not use has a zero gradient.
-                    None => Tensor::zeros([spec.numel], &B::inner_device(&device)),
+                    None => Tensor::zeros([spec.numel], &device),
                 };
-                self.device = Some(B::inner_device(&device));
+                self.device = Some(device);
                 self.pieces.push(piece);
             }
         }
-        let mut collect =
-            Grads::<B> { grads, pieces: Vec::new(), layout: &self.layout, device: None };
+        let mut collect = Grads::<B> {
+            grads,
+            pieces: Vec::new(),
+            layout: &self.layout,
+            device: None,
+        };
         module.visit(&mut collect);
-        let device = collect.device.clone().expect("a unit has at least one parameter");
+        let device = collect
+            .device
+            .clone()
+            .expect("a unit has at least one parameter");
         let mut pieces = collect.pieces;
         if self.layout.padded > self.layout.numel {
-            pieces.push(Tensor::zeros([self.layout.padded - self.layout.numel], &device));
+            pieces.push(Tensor::zeros(
+                [self.layout.padded - self.layout.numel],
+                &device,
+            ));
         }
         let mut full = Tensor::cat(pieces, 0);
         if let Some(prev) = self.deferred_full_grad.take() {
@@ -390,7 +435,13 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
 
     /// One AdamW step on this rank's shard, scaling the gradient by `grad_scale` (the clipping
     /// factor), then clears the gradient.
-    pub fn adamw_step(&mut self, opt: &AdamW, lr: f64, step: u64, grad_scale: Tensor<B::InnerBackend, 1>) {
+    pub fn adamw_step(
+        &mut self,
+        opt: &AdamW,
+        lr: f64,
+        step: u64,
+        grad_scale: Tensor<B::InnerBackend, 1>,
+    ) {
         let Some(grad) = self.grad.take() else { return };
         let g = grad * grad_scale;
         let (b1, b2) = (opt.beta1, opt.beta2);
@@ -410,17 +461,28 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     pub fn state_bytes(&self) -> usize {
         let shard = self.layout.shard_len(self.degree);
         let grad = if self.grad.is_some() { shard } else { 0 };
-        let deferred = if self.deferred_full_grad.is_some() { self.layout.padded } else { 0 };
+        let deferred = if self.deferred_full_grad.is_some() {
+            self.layout.padded
+        } else {
+            0
+        };
         4 * (3 * shard + grad + deferred)
     }
 
     /// This rank's chunk of the fp32 master weights, AdamW's first and second moments.
     pub fn shard_state(&self) -> [Tensor<B::InnerBackend, 1>; 3] {
-        [self.master.clone(), self.exp_avg.clone(), self.exp_avg_sq.clone()]
+        [
+            self.master.clone(),
+            self.exp_avg.clone(),
+            self.exp_avg_sq.clone(),
+        ]
     }
 
     /// Replaces this rank's shard state (from a checkpoint); lengths must match.
-    pub fn load_shard_state(&mut self, state: [Tensor<B::InnerBackend, 1>; 3]) -> Result<(), SmpError> {
+    pub fn load_shard_state(
+        &mut self,
+        state: [Tensor<B::InnerBackend, 1>; 3],
+    ) -> Result<(), SmpError> {
         let want = self.layout.shard_len(self.degree);
         for (t, what) in state.iter().zip(["weights", "exp_avg", "exp_avg_sq"]) {
             if t.dims()[0] != want {
@@ -450,12 +512,15 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             StateKind::ExpAvg => self.exp_avg.clone(),
             StateKind::ExpAvgSq => self.exp_avg_sq.clone(),
         };
-        let full = if self.degree == 1 { shard } else { ctx.timed(|| ctx.shard.all_gather(shard))? };
-        let host: Vec<f32> = full
-            .into_data()
-            .convert::<f32>()
-            .to_vec()
-            .map_err(|e| SmpError::Config(format!("unit {}: reading weights: {e:?}", self.name)))?;
+        let full = if self.degree == 1 {
+            shard
+        } else {
+            ctx.timed(|| ctx.shard.all_gather(shard))?
+        };
+        let host: Vec<f32> =
+            full.into_data().convert::<f32>().to_vec().map_err(|e| {
+                SmpError::Config(format!("unit {}: reading weights: {e:?}", self.name))
+            })?;
         Ok(self
             .layout
             .params
@@ -509,7 +574,12 @@ pub struct AdamW {
 
 impl Default for AdamW {
     fn default() -> Self {
-        Self { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+        Self {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
     }
 }
 

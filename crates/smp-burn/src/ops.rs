@@ -74,7 +74,11 @@ pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -
 /// `q: [batch, heads, seq, head_dim]`, `k`/`v: [batch, kv_heads, seq, head_dim]`; each key/value
 /// head serves `heads / kv_heads` query heads. Softmax runs in f32. This path stores the
 /// `seq x seq` scores; the flash kernel exists to avoid exactly that.
-pub fn causal_attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 4> {
+pub fn causal_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+) -> Tensor<B, 4> {
     let [batch, heads, seq, head_dim] = q.dims();
     let kv_heads = k.dims()[1];
     let group = heads / kv_heads;
@@ -90,8 +94,15 @@ pub fn causal_attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<
     let (k, v) = (expand(k), expand(v));
     let dtype = q.dtype();
     let scores = q.matmul(k.swap_dims(2, 3)).cast(DType::F32) / (head_dim as f64).sqrt();
-    let mask = Tensor::<B, 2, Bool>::triu_mask([seq, seq], 1, &scores.device());
-    let scores = scores.mask_fill(mask.unsqueeze::<4>(), f32::NEG_INFINITY);
+    // Key j is hidden from query i when j > i. Built from index comparisons because Burn's
+    // `triu_mask` marks the complement of what its name suggests; applied as an additive bias
+    // (-1e30 underflows to 0 in exp) so no row is ever all -inf.
+    let device = scores.device();
+    let idx = Tensor::<B, 1, Int>::arange(0..seq as i64, &device);
+    let future: Tensor<B, 2, Bool> =
+        idx.clone().unsqueeze_dim::<2>(0).greater(idx.unsqueeze_dim::<2>(1));
+    let bias = Tensor::<B, 2>::zeros([seq, seq], &device).mask_fill(future, -1e30);
+    let scores = scores + bias.cast(DType::F32).unsqueeze::<4>();
     softmax(scores, 3).cast(dtype).matmul(v)
 }
 
@@ -141,7 +152,10 @@ mod tests {
         assert_eq!(x0, y0);
         let nx: f32 = x.square().sum().into_scalar();
         let ny: f32 = y.square().sum().into_scalar();
-        assert!((nx - ny).abs() < 1e-4 * nx, "rotation changed the norm: {nx} vs {ny}");
+        assert!(
+            (nx - ny).abs() < 1e-4 * nx,
+            "rotation changed the norm: {nx} vs {ny}"
+        );
     }
 
     #[test]

@@ -1,0 +1,87 @@
+//! N-rank sharded training must match 1-rank training.
+//!
+//! Tolerance: f32 throughout. The sharded run computes each rank's mean loss over its own rows
+//! and averages the ranks' gradients, where one rank averages over all rows at once: the same
+//! sums in a different order, so results differ by float rounding only (about 1e-7 relative per
+//! operation). The runs use AdamW with a large epsilon (see `train_rank`) so that rounding noise
+//! in near-zero gradients is not amplified into full-size updates of random sign. We accept
+//! relative differences of 2e-5 on losses and 1e-3 on parameters (relative to each tensor's
+//! largest magnitude); a real bug (a missing shard, a wrong slice, a double-counted replica)
+//! moves them by orders of magnitude more.
+
+use collectives::{CommOptions, run_on_threads};
+use llama::LlamaConfig;
+use smp_burn::ParallelConfig;
+use smp_burn_tests::{RunResult, max_param_rel_diff, train_rank};
+
+const STEPS: usize = 3;
+const GLOBAL_BATCH: usize = 12;
+const SEQ: usize = 16;
+
+fn run(world: usize, parallel: ParallelConfig, micro_batches: usize) -> Vec<RunResult> {
+    let config = LlamaConfig::preset("tiny").unwrap();
+    let opts = CommOptions { timeout: std::time::Duration::from_secs(60) };
+    run_on_threads(world, opts, |comm| {
+        train_rank(comm, &parallel, &config, STEPS, GLOBAL_BATCH, SEQ, micro_batches)
+    })
+}
+
+fn assert_matches(reference: &RunResult, got: &RunResult, what: &str) {
+    for (step, (a, b)) in reference.losses.iter().zip(&got.losses).enumerate() {
+        assert!((a - b).abs() <= 2e-5 * a.abs(), "{what}: step {step} loss {b} vs 1-rank {a}");
+    }
+    for (a, b) in reference.grad_norms.iter().zip(&got.grad_norms) {
+        assert!((a - b).abs() <= 1e-3 * a.abs(), "{what}: grad norm {b} vs 1-rank {a}");
+    }
+    let diff = max_param_rel_diff(reference, got);
+    assert!(diff < 1e-3, "{what}: parameters differ from 1-rank by {diff:.2e} (relative)");
+}
+
+fn parallel(sdp: usize, checkpointing: bool) -> ParallelConfig {
+    ParallelConfig {
+        hybrid_shard_degree: sdp,
+        activation_checkpointing: checkpointing,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn sharded_training_matches_one_rank() {
+    let reference = run(1, parallel(0, true), 1).remove(0);
+    assert!(reference.losses[STEPS - 1] < reference.losses[0], "the model should learn: {:?}", reference.losses);
+    for world in [2, 3, 4] {
+        let runs = run(world, parallel(0, true), 1);
+        for (rank, r) in runs.iter().enumerate() {
+            assert_matches(&reference, r, &format!("full sharding, {world} ranks, rank {rank}"));
+        }
+    }
+}
+
+#[test]
+fn hybrid_sharding_matches_one_rank() {
+    let reference = run(1, parallel(0, true), 1).remove(0);
+    for r in run(4, parallel(2, true), 1) {
+        assert_matches(&reference, &r, "hybrid 2 x 2");
+    }
+}
+
+#[test]
+fn without_checkpointing_and_with_accumulation() {
+    let reference = run(1, parallel(0, true), 2).remove(0);
+    for r in run(2, parallel(0, false), 2) {
+        assert_matches(&reference, &r, "2 ranks, no checkpointing, 2 micro-batches");
+    }
+    // Checkpointing changes nothing but memory.
+    let plain = run(1, parallel(0, false), 2).remove(0);
+    assert_matches(&reference, &plain, "1 rank without checkpointing");
+}
+
+#[test]
+fn each_rank_holds_a_quarter_of_the_state() {
+    let one = run(1, parallel(0, true), 1).remove(0);
+    for r in run(4, parallel(0, true), 1) {
+        let ratio = r.state_bytes as f64 / one.state_bytes as f64;
+        // Padding to a multiple of 4 adds at most 3 elements per unit.
+        assert!((ratio - 0.25).abs() < 0.01, "rank holds {ratio:.4} of the 1-rank state");
+    }
+}
