@@ -37,7 +37,8 @@ impl LlamaConfig {
 
     /// A named shape: `7b`, `13b`, `70b` are Llama 2's published shapes; `1b` is the 1.2B shape
     /// of the PyTorch reference (`torch_llama.py --preset 1b`); `small` is the CPU default
-    /// (about 7M parameters with a 4096-token vocabulary); `tiny` is for tests.
+    /// (about 1.3M parameters with a 2048-token vocabulary, sized to learn
+    /// in a few minutes on two CPU cores); `tiny` is for tests.
     pub fn preset(name: &str) -> Result<Self> {
         let llama2 = |hidden, inter, layers, heads, kv| LlamaConfig {
             vocab_size: 32000,
@@ -63,12 +64,12 @@ impl LlamaConfig {
                 ..llama2(0, 0, 0, 0, 0)
             },
             "small" => LlamaConfig {
-                vocab_size: 4096,
-                hidden_size: 256,
-                intermediate_size: 688,
-                num_hidden_layers: 6,
-                num_attention_heads: 8,
-                num_key_value_heads: 8,
+                vocab_size: 2048,
+                hidden_size: 128,
+                intermediate_size: 384,
+                num_hidden_layers: 4,
+                num_attention_heads: 4,
+                num_key_value_heads: 4,
                 max_position_embeddings: 1024,
                 ..llama2(0, 0, 0, 0, 0)
             },
@@ -100,19 +101,19 @@ impl LlamaConfig {
                 c.vocab_size, c.hidden_size, c.num_hidden_layers
             ));
         }
-        if c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0 {
+        if c.num_attention_heads == 0 || !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             return fail(format!(
                 "hidden_size {} is not divisible by num_attention_heads {}",
                 c.hidden_size, c.num_attention_heads
             ));
         }
-        if c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0 {
+        if c.num_key_value_heads == 0 || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
             return fail(format!(
                 "num_attention_heads {} is not divisible by num_key_value_heads {}",
                 c.num_attention_heads, c.num_key_value_heads
             ));
         }
-        if c.head_dim() % 2 != 0 {
+        if !c.head_dim().is_multiple_of(2) {
             return fail(format!("head dimension {} must be even for rotary embeddings", c.head_dim()));
         }
         Ok(())

@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod model;
 pub mod parallel;
 pub mod tokenizer;
+pub mod train;
 
 pub use config::LlamaConfig;
 pub use error::{LlamaError, Result};

@@ -263,6 +263,31 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         Ok(out)
     }
 
+    /// Overwrites `kind` (weights or an AdamW moment) on every unit from full named values:
+    /// loads a checkpoint written with any number of ranks.
+    pub fn load_state(&mut self, kind: StateKind, init: &ParamInit<'_>) -> Result<()> {
+        let failure = std::cell::RefCell::new(None);
+        let unit_init = |unit: UnitKind| {
+            let failure = &failure;
+            move |p: &FlatParam, range: Range<usize>| match init(&hf_name(unit, &p.name), &p.shape, range.clone()) {
+                Ok(v) => v,
+                Err(e) => {
+                    failure.borrow_mut().get_or_insert(e);
+                    vec![0.0; range.len()]
+                }
+            }
+        };
+        self.embed.load_state(kind, unit_init(UnitKind::Embedding))?;
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            l.load_state(kind, unit_init(UnitKind::Layer(i)))?;
+        }
+        self.head.load_state(kind, unit_init(UnitKind::Head))?;
+        match failure.into_inner() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// Bytes of parameter, gradient and optimizer state this rank holds.
     pub fn state_bytes(&self) -> usize {
         self.units_mut_iter().map(|u| u.state_bytes()).sum()

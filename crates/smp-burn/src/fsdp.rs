@@ -249,31 +249,10 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         let rank = ctx.shard.rank();
         let layout = FlatLayout::of::<B, M>(&template, degree);
         let range = layout.shard_range(rank, degree);
-        let mut values = Vec::with_capacity(range.len());
-        let mut decay = Vec::with_capacity(range.len());
-        for p in &layout.params {
-            let lo = p.offset.max(range.start);
-            let hi = (p.offset + p.numel).min(range.end);
-            if lo < hi {
-                let part = init(p, lo - p.offset..hi - p.offset);
-                if part.len() != hi - lo {
-                    return Err(SmpError::Config(format!(
-                        "initializer returned {} values for elements {}..{} of {}",
-                        part.len(),
-                        lo - p.offset,
-                        hi - p.offset,
-                        p.name
-                    )));
-                }
-                values.extend(part);
-                decay.extend(std::iter::repeat_n(
-                    if p.shape.len() >= 2 { 1.0 } else { 0.0 },
-                    hi - lo,
-                ));
-            }
-        }
-        values.resize(range.len(), 0.0);
-        decay.resize(range.len(), 0.0);
+        let values = fill_shard(&layout, range.clone(), &init)?;
+        let decay = fill_shard(&layout, range, &|p: &FlatParam, r: Range<usize>| {
+            vec![if p.shape.len() >= 2 { 1.0 } else { 0.0 }; r.len()]
+        })?;
         let master = Tensor::<B::InnerBackend, 1>::from_floats(values.as_slice(), device)
             .cast(FloatDType::F32);
         let decay_mask = Tensor::from_floats(decay.as_slice(), device).cast(FloatDType::F32);
@@ -469,6 +448,25 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         4 * (3 * shard + grad + deferred)
     }
 
+    /// Overwrites this rank's chunk of `kind` with values from `init` (as in [`Self::new`]):
+    /// how a checkpoint written with any number of ranks is loaded into this layout.
+    pub fn load_state(
+        &mut self,
+        kind: StateKind,
+        init: impl Fn(&FlatParam, Range<usize>) -> Vec<f32>,
+    ) -> Result<(), SmpError> {
+        let range = self.layout.shard_range(self.rank, self.degree);
+        let values = fill_shard(&self.layout, range, &init)?;
+        let t = Tensor::<B::InnerBackend, 1>::from_floats(values.as_slice(), &self.master.device())
+            .cast(FloatDType::F32);
+        match kind {
+            StateKind::Weights => self.master = t,
+            StateKind::ExpAvg => self.exp_avg = t,
+            StateKind::ExpAvgSq => self.exp_avg_sq = t,
+        }
+        Ok(())
+    }
+
     /// This rank's chunk of the fp32 master weights, AdamW's first and second moments.
     pub fn shard_state(&self) -> [Tensor<B::InnerBackend, 1>; 3] {
         [
@@ -546,6 +544,35 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         self.template.visit(&mut Ids(&mut ids));
         ids
     }
+}
+
+/// The elements `range` of a unit's flat buffer, asking `init` only for the parts of each
+/// parameter that fall inside it; padding is zero.
+fn fill_shard(
+    layout: &FlatLayout,
+    range: Range<usize>,
+    init: &dyn Fn(&FlatParam, Range<usize>) -> Vec<f32>,
+) -> Result<Vec<f32>, SmpError> {
+    let mut values = Vec::with_capacity(range.len());
+    for p in &layout.params {
+        let lo = p.offset.max(range.start);
+        let hi = (p.offset + p.numel).min(range.end);
+        if lo < hi {
+            let part = init(p, lo - p.offset..hi - p.offset);
+            if part.len() != hi - lo {
+                return Err(SmpError::Config(format!(
+                    "initializer returned {} values for elements {}..{} of {}",
+                    part.len(),
+                    lo - p.offset,
+                    hi - p.offset,
+                    p.name
+                )));
+            }
+            values.extend(part);
+        }
+    }
+    values.resize(range.len(), 0.0);
+    Ok(values)
 }
 
 /// Which of a unit's sharded tensors to read.

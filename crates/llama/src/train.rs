@@ -1,0 +1,672 @@
+//! The training loop behind `llama2_train`: data, schedule, gradient accumulation, evaluation,
+//! checkpoints, metrics, export and sampling, for one rank of any data-parallel layout.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::{Int, Tensor, TensorData, backend::AutodiffBackend};
+use collectives::Communicator;
+use serde::{Deserialize, Serialize};
+use smp_burn::fsdp::{AdamW, FsdpContext, StateKind};
+use smp_burn::{ParallelConfig, ParallelDims};
+
+use crate::config::LlamaConfig;
+use crate::data::{Batch, DataPosition, TokenDataset};
+use crate::error::{LlamaError, Result};
+use crate::hf::{self, HostTensor, SaveDType, TensorMap};
+use crate::metrics::{MetricsLog, StepMetrics, write_loss_plot_svg};
+use crate::parallel::{ParamInit, ShardedLlama, seeded_init};
+use crate::tokenizer::TextTokenizer;
+
+/// Peak dense bf16 FLOP/s of an H100/H200 SXM, the denominator of MFU (DESIGN.md).
+pub const H100_PEAK_FLOPS: f64 = 989.4e12;
+
+/// Everything a training run needs besides the model shape; serializable so that a run can be
+/// described by (and written out as) a TOML file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TrainConfig {
+    /// Model preset name (see [`LlamaConfig::preset`]); ignored when `init_from_hf` is set.
+    pub model: String,
+    /// Vocabulary size of the tokenizer trained on the corpus (when none is given).
+    pub vocab_size: usize,
+    /// Tokens per training sequence.
+    pub seq_len: usize,
+    /// Sequences per rank per micro-batch.
+    pub micro_batch: usize,
+    /// Tokens per optimizer step over all ranks; 0 = one micro-batch per rank.
+    pub global_batch_tokens: usize,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate of the cosine decay.
+    pub min_lr: f64,
+    /// Linear warmup steps.
+    pub warmup_steps: u64,
+    /// AdamW hyper-parameters.
+    pub adamw: AdamW,
+    /// Clip the global gradient norm to this value; 0 = off.
+    pub grad_clip: f64,
+    /// Seed of initialization and data order.
+    pub seed: u64,
+    /// `embedded` (the Shakespeare corpus in the binary) or a path: text, `.gz`, directory, JSONL.
+    pub data: String,
+    /// JSONL field holding the text.
+    pub text_field: String,
+    /// A `tokenizer.json` to use instead of training one.
+    pub tokenizer: Option<PathBuf>,
+    /// Fraction of the corpus held out for validation.
+    pub val_fraction: f64,
+    /// Evaluate every this many steps (and at the end); 0 = only at the end.
+    pub eval_interval: u64,
+    /// Validation batches per evaluation.
+    pub eval_batches: usize,
+    /// Where checkpoints, metrics and plots go.
+    pub out_dir: PathBuf,
+    /// Save a checkpoint every this many steps (and at the end); 0 = only at the end.
+    pub checkpoint_interval: u64,
+    /// Continue from the latest checkpoint in `out_dir`.
+    pub resume: bool,
+    /// Start from a Hugging Face Llama directory's weights (and its config.json).
+    pub init_from_hf: Option<PathBuf>,
+    /// Write a Hugging Face checkpoint here at the end.
+    pub export_hf: Option<PathBuf>,
+    /// Dtype of the exported weights.
+    pub export_dtype: String,
+    /// Generate text from this prompt at the end.
+    pub sample: Option<String>,
+    /// Tokens to generate.
+    pub sample_tokens: usize,
+    /// Parallelism.
+    pub parallel: ParallelConfig,
+    /// Show a progress bar (rank 0).
+    pub progress: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            model: "small".into(),
+            vocab_size: 2048,
+            seq_len: 128,
+            micro_batch: 16,
+            global_batch_tokens: 0,
+            steps: 600,
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 30,
+            adamw: AdamW::default(),
+            grad_clip: 1.0,
+            seed: 1234,
+            data: "embedded".into(),
+            text_field: "text".into(),
+            tokenizer: None,
+            val_fraction: 0.02,
+            eval_interval: 100,
+            eval_batches: 8,
+            out_dir: PathBuf::from("runs/llama2"),
+            checkpoint_interval: 0,
+            resume: false,
+            init_from_hf: None,
+            export_hf: Some(PathBuf::from("runs/llama2/hf")),
+            export_dtype: "bf16".into(),
+            sample: Some("ROMEO:".into()),
+            sample_tokens: 120,
+            parallel: ParallelConfig { activation_checkpointing: false, ..Default::default() },
+            progress: true,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Reads a TOML file; fields it omits keep their defaults.
+    pub fn from_toml_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| LlamaError::io(path, e))?;
+        toml::from_str(&text).map_err(|e| LlamaError::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// The TOML text of this configuration.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a TrainConfig always serializes")
+    }
+
+    /// Learning rate at optimizer step `step` (0-based): linear warmup, then cosine decay to
+    /// `min_lr` at the last step.
+    pub fn lr_at(&self, step: u64) -> f64 {
+        if step < self.warmup_steps {
+            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let span = self.steps.saturating_sub(self.warmup_steps).max(1) as f64;
+        let progress = ((step - self.warmup_steps) as f64 / span).min(1.0);
+        self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
+    }
+}
+
+/// The model shape of a run: from the Hugging Face directory, else the preset with the
+/// tokenizer's vocabulary for the small shapes.
+pub fn model_config(cfg: &TrainConfig, tokenizer_vocab: usize) -> Result<LlamaConfig> {
+    if let Some(dir) = &cfg.init_from_hf {
+        return hf::read_hf_config(dir);
+    }
+    let mut model = LlamaConfig::preset(&cfg.model)?;
+    if matches!(cfg.model.as_str(), "tiny" | "small") {
+        model.vocab_size = tokenizer_vocab;
+    }
+    if tokenizer_vocab > model.vocab_size {
+        return Err(LlamaError::Config(format!(
+            "the tokenizer has {tokenizer_vocab} tokens but model '{}' has vocab_size {}",
+            cfg.model, model.vocab_size
+        )));
+    }
+    model.max_position_embeddings = model.max_position_embeddings.max(cfg.seq_len);
+    Ok(model)
+}
+
+/// The tokenizer and packed data shared by every rank of a process.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The run's configuration.
+    pub config: TrainConfig,
+    /// The model's shape.
+    pub model: LlamaConfig,
+    /// The tokenizer (trained on the corpus, loaded from a file or from the checkpoint).
+    pub tokenizer: TextTokenizer,
+    /// Packed train and validation windows.
+    pub dataset: TokenDataset,
+}
+
+/// Loads the corpus and the tokenizer (training a byte-level BPE when none is given) and packs
+/// the data. On resume the checkpoint's own tokenizer is used, so token ids stay the same.
+pub fn prepare(config: TrainConfig) -> Result<Prepared> {
+    let texts = crate::data::load_texts(&crate::data::DataSource::from_arg(&config.data), &config.text_field)?;
+    let resume_tok = if config.resume {
+        latest_checkpoint(&config.out_dir)?.map(|dir| dir.join("tokenizer.json"))
+    } else {
+        None
+    };
+    let tokenizer = match (&resume_tok, &config.tokenizer, &config.init_from_hf) {
+        (Some(path), _, _) | (None, Some(path), _) => TextTokenizer::from_file(path)?,
+        (None, None, Some(dir)) if dir.join("tokenizer.json").exists() => {
+            TextTokenizer::from_file(dir.join("tokenizer.json"))?
+        }
+        _ => TextTokenizer::train_byte_level_bpe(texts.iter().map(String::as_str), config.vocab_size)?,
+    };
+    let model = model_config(&config, tokenizer.vocab_size())?;
+    let dataset = TokenDataset::from_texts(&texts, &tokenizer, config.seq_len, config.val_fraction, config.seed)?;
+    Ok(Prepared { config, model, tokenizer, dataset })
+}
+
+/// One rank's view of the process groups.
+#[derive(Debug, Clone)]
+pub struct RankGroups<IB: burn::tensor::backend::Backend> {
+    /// All ranks (host communicator, for small control messages).
+    pub world: Arc<dyn Communicator>,
+    /// Sharding context (shard and replica groups).
+    pub fsdp: FsdpContext<IB>,
+    /// Index of this rank among the data-parallel ranks.
+    pub dp_rank: usize,
+    /// Data-parallel ranks.
+    pub dp_size: usize,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Summary {
+    /// Optimizer steps completed.
+    pub steps: u64,
+    /// Last training loss.
+    pub final_loss: f64,
+    /// Last validation loss.
+    pub final_val_loss: Option<f64>,
+    /// Entropy of the train tokens' unigram distribution (nats/token): the no-context baseline.
+    pub unigram_entropy: f64,
+    /// Mean tokens/s over the run (all ranks).
+    pub tokens_per_sec: f64,
+    /// Generated text, if asked.
+    pub sample: Option<String>,
+    /// Per-step training losses of this run (for tests and plots).
+    pub losses: Vec<f64>,
+}
+
+fn tensors<B: AutodiffBackend>(batch: &Batch, device: &B::Device) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    let shape = [batch.batch, batch.seq_len];
+    (
+        Tensor::from_data(TensorData::new(batch.inputs.clone(), shape), device),
+        Tensor::from_data(TensorData::new(batch.targets.clone(), shape), device),
+    )
+}
+
+/// Micro-batches per optimizer step for the requested global batch.
+pub fn accumulation_steps(cfg: &TrainConfig, dp_size: usize) -> Result<usize> {
+    let per_micro = cfg.micro_batch * cfg.seq_len * dp_size;
+    if cfg.global_batch_tokens == 0 {
+        return Ok(1);
+    }
+    if cfg.global_batch_tokens % per_micro != 0 {
+        return Err(LlamaError::Config(format!(
+            "global_batch_tokens {} is not a multiple of micro_batch {} x seq_len {} x data-parallel ranks {dp_size} = {per_micro}",
+            cfg.global_batch_tokens, cfg.micro_batch, cfg.seq_len
+        )));
+    }
+    Ok(cfg.global_batch_tokens / per_micro)
+}
+
+/// Trains one rank. Every rank of the job calls this with the same `prepared` data; rank 0
+/// writes files and shows progress. `peak_flops` is the device's peak for MFU (None on CPU).
+pub fn train_rank<B: AutodiffBackend>(
+    prepared: &Prepared,
+    groups: RankGroups<B::InnerBackend>,
+    device: &B::Device,
+    peak_flops: Option<f64>,
+    memory_in_use: &dyn Fn() -> Option<u64>,
+) -> Result<Summary> {
+    let cfg = &prepared.config;
+    let rank = groups.world.rank();
+    let lead = rank == 0;
+    let world = groups.world.world_size();
+    let dims = ParallelDims::new(&cfg.parallel, world)?;
+    let accum = accumulation_steps(cfg, groups.dp_size)?;
+    let global_micro = cfg.micro_batch * groups.dp_size;
+    let tokens_per_step = (global_micro * accum * cfg.seq_len) as u64;
+
+    // Model: from a checkpoint, from Hugging Face weights, or from the seed.
+    let resume_dir = if cfg.resume { latest_checkpoint(&cfg.out_dir)? } else { None };
+    let (mut model, mut start_step, mut position) = match &resume_dir {
+        Some(dir) => {
+            let state = TrainerState::read(dir)?;
+            if state.model != prepared.model {
+                return Err(LlamaError::checkpoint(
+                    dir,
+                    format!("was written for model {:?}, this run builds {:?}", state.model, prepared.model),
+                ));
+            }
+            let weights = load_checked(&dir.join("model"), &prepared.model)?;
+            let mut model = ShardedLlama::<B>::new(
+                &prepared.model,
+                groups.fsdp.clone(),
+                device,
+                cfg.parallel.activation_checkpointing,
+                &map_init(&weights, &dir.join("model")),
+            )?;
+            for (kind, sub) in [(StateKind::ExpAvg, "exp_avg"), (StateKind::ExpAvgSq, "exp_avg_sq")] {
+                let path = dir.join("optimizer").join(sub);
+                let moments = load_checked(&path, &prepared.model)?;
+                model.load_state(kind, &map_init(&moments, &path))?;
+            }
+            (model, state.step, state.data_position)
+        }
+        None => {
+            let model = match &cfg.init_from_hf {
+                Some(hf_dir) => {
+                    let weights = load_checked(hf_dir, &prepared.model)?;
+                    ShardedLlama::<B>::new(
+                        &prepared.model,
+                        groups.fsdp.clone(),
+                        device,
+                        cfg.parallel.activation_checkpointing,
+                        &map_init(&weights, hf_dir),
+                    )?
+                }
+                None => ShardedLlama::<B>::new(
+                    &prepared.model,
+                    groups.fsdp.clone(),
+                    device,
+                    cfg.parallel.activation_checkpointing,
+                    &seeded_init(cfg.seed),
+                )?,
+            };
+            (model, 0, DataPosition::default())
+        }
+    };
+    let unigram = prepared.dataset.unigram_entropy();
+    let flops_per_token = prepared.model.flops_per_token(cfg.seq_len);
+
+    std::fs::create_dir_all(&cfg.out_dir).map_err(|e| LlamaError::io(&cfg.out_dir, e))?;
+    let metrics_path = cfg.out_dir.join("metrics.jsonl");
+    let mut metrics = if lead {
+        Some(if start_step > 0 { MetricsLog::resume(&metrics_path, start_step)? } else { MetricsLog::create(&metrics_path)? })
+    } else {
+        None
+    };
+    if lead {
+        let n = prepared.model.num_parameters();
+        tracing::info!(
+            "model: {:.2}M parameters ({} layers, hidden {}), {} ranks ({} replica x {} shard x {} tensor), \
+             {accum} micro-batch(es) of {} x {} tokens per rank per step ({tokens_per_step} tokens/step); \
+             {} train / {} validation windows; unigram baseline {unigram:.3} nats",
+            n as f64 / 1e6,
+            prepared.model.num_hidden_layers,
+            prepared.model.hidden_size,
+            world,
+            dims.replicate,
+            dims.shard,
+            dims.tensor,
+            cfg.micro_batch,
+            cfg.seq_len,
+            prepared.dataset.train_windows(),
+            prepared.dataset.val_windows(),
+        );
+        tracing::info!("state held by rank 0 (weights, gradients, AdamW): {:.1} MB", model.state_bytes() as f64 / 1e6);
+    }
+
+    let bar = (lead && cfg.progress).then(|| {
+        let bar = indicatif::ProgressBar::new(cfg.steps);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
+                .expect("valid template"),
+        );
+        bar.set_position(start_step);
+        bar
+    });
+
+    let mut train_curve = Vec::new();
+    let mut val_curve = Vec::new();
+    let mut losses = Vec::new();
+    let mut last_val = None;
+    let mut last_loss = f64::NAN;
+    let run_start = Instant::now();
+    let mut tokens_done = 0u64;
+    let clip = (cfg.grad_clip > 0.0).then_some(cfg.grad_clip);
+
+    while start_step < cfg.steps {
+        let step = start_step;
+        let t0 = Instant::now();
+        let lr = cfg.lr_at(step);
+        let mut loss_acc: Option<Tensor<B::InnerBackend, 1>> = None;
+        for micro in 0..accum {
+            let batch = prepared.dataset.next_batch_for_rank(&mut position, global_micro, groups.dp_rank, groups.dp_size)?;
+            let (inputs, targets) = tensors::<B>(&batch, device);
+            let last = micro + 1 == accum;
+            let loss = model.forward_backward(inputs, targets, 1.0 / accum as f32, !last)?;
+            loss_acc = Some(match loss_acc {
+                Some(acc) => acc + loss,
+                None => loss,
+            });
+        }
+        let stats = model.optimizer_step(&cfg.adamw, lr, step + 1, clip)?;
+        let loss = groups.fsdp.mean_over_data_parallel(loss_acc.expect("accum >= 1") / accum as f32)?;
+        let loss: f64 = loss.into_scalar().elem_to_f64();
+        let dt = t0.elapsed().as_secs_f64();
+        start_step += 1;
+        tokens_done += tokens_per_step;
+        last_loss = loss;
+        losses.push(loss);
+        train_curve.push((start_step, loss));
+        if !loss.is_finite() {
+            return Err(LlamaError::Config(format!(
+                "training diverged at step {start_step}: loss {loss}; try a lower learning rate (now {lr:.2e})"
+            )));
+        }
+
+        let evaluate = start_step == cfg.steps || (cfg.eval_interval > 0 && start_step % cfg.eval_interval == 0);
+        let val_loss = if evaluate { Some(evaluate_loss(&model, prepared, &groups, device)?) } else { None };
+        if let Some(v) = val_loss {
+            last_val = Some(v);
+            val_curve.push((start_step, v));
+        }
+        let tokens_per_sec = tokens_per_step as f64 / dt;
+        let tflops = flops_per_token * tokens_per_sec / world as f64 / 1e12;
+        if let Some(m) = metrics.as_mut() {
+            m.log(&StepMetrics {
+                step: start_step,
+                loss,
+                val_loss,
+                lr,
+                grad_norm: stats.grad_norm,
+                tokens_per_sec,
+                tflops_per_device: tflops,
+                mfu: peak_flops.map(|p| tflops * 1e12 / p).unwrap_or(f64::NAN),
+                peak_mem_bytes: memory_in_use(),
+                comm_wait_ms: Some(stats.comm.wait.as_secs_f64() * 1e3),
+            })?;
+        }
+        if let Some(bar) = &bar {
+            let val = val_loss.or(last_val).map(|v| format!(" val {v:.3}")).unwrap_or_default();
+            bar.set_message(format!("loss {loss:.3}{val} | {tokens_per_sec:.0} tok/s | lr {lr:.1e}"));
+            bar.set_position(start_step);
+        }
+        let save = start_step == cfg.steps || (cfg.checkpoint_interval > 0 && start_step % cfg.checkpoint_interval == 0);
+        if save {
+            save_checkpoint(&model, prepared, start_step, position, lead)?;
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish();
+    }
+    let elapsed = run_start.elapsed().as_secs_f64();
+
+    if lead && !train_curve.is_empty() {
+        let title = format!("Llama {} on {} — train and validation loss", cfg.model, cfg.data);
+        write_loss_plot_svg(cfg.out_dir.join("loss.svg"), &train_curve, &val_curve, &title)?;
+    }
+    if let Some(dir) = &cfg.export_hf {
+        export_hf(&model, prepared, dir, lead)?;
+    }
+    let sample = match &cfg.sample {
+        Some(prompt) => Some(generate(&model, prepared, prompt, cfg.sample_tokens, device)?),
+        None => None,
+    };
+    Ok(Summary {
+        steps: start_step,
+        final_loss: last_loss,
+        final_val_loss: last_val,
+        unigram_entropy: unigram,
+        tokens_per_sec: tokens_done as f64 / elapsed.max(1e-9),
+        sample,
+        losses,
+    })
+}
+
+fn evaluate_loss<B: AutodiffBackend>(
+    model: &ShardedLlama<B>,
+    prepared: &Prepared,
+    groups: &RankGroups<B::InnerBackend>,
+    device: &B::Device,
+) -> Result<f64> {
+    let cfg = &prepared.config;
+    let global = cfg.micro_batch * groups.dp_size;
+    let mut total = 0.0;
+    let mut n = 0;
+    for batch in prepared.dataset.val_batches_for_rank(global, groups.dp_rank, groups.dp_size)?.take(cfg.eval_batches.max(1)) {
+        let (inputs, targets) = tensors::<B>(&batch, device);
+        total += model.eval_loss(inputs, targets)?;
+        n += 1;
+    }
+    if n == 0 {
+        return Err(LlamaError::Data(format!(
+            "the validation split has {} windows, fewer than one global batch of {global}; raise val_fraction",
+            prepared.dataset.val_windows()
+        )));
+    }
+    Ok(total / n as f64)
+}
+
+/// Samples `tokens` tokens after `prompt` (temperature 0.8, top-k 40, fixed seed). Every rank
+/// runs it in lockstep (the forward gathers parameters); all get the same text.
+pub fn generate<B: AutodiffBackend>(
+    model: &ShardedLlama<B>,
+    prepared: &Prepared,
+    prompt: &str,
+    tokens: usize,
+    device: &B::Device,
+) -> Result<String> {
+    let mut ids: Vec<i64> = prepared.tokenizer.encode(prompt)?.into_iter().map(i64::from).collect();
+    let prompt_len = ids.len();
+    let window = prepared.config.seq_len;
+    let mut rng = 0x5DEE_CE66_Du64 ^ prepared.config.seed;
+    for _ in 0..tokens {
+        let context = &ids[ids.len().saturating_sub(window)..];
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(context.to_vec(), [1, context.len()]), device);
+        let logits = model.logits(input)?;
+        let vocab = logits.dims()[2];
+        let last: Vec<f32> = logits
+            .narrow(1, context.len() - 1, 1)
+            .reshape([vocab])
+            .into_data()
+            .convert::<f32>()
+            .to_vec()
+            .expect("f32 logits");
+        let mut top: Vec<(usize, f32)> = last.iter().copied().enumerate().collect();
+        top.sort_by(|a, b| b.1.total_cmp(&a.1));
+        top.truncate(40);
+        let max = top[0].1;
+        let weights: Vec<f64> = top.iter().map(|(_, l)| (((l - max) / 0.8) as f64).exp()).collect();
+        let sum: f64 = weights.iter().sum();
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let mut pick = (rng >> 11) as f64 / (1u64 << 53) as f64 * sum;
+        let mut chosen = top[0].0;
+        for ((id, _), w) in top.iter().zip(&weights) {
+            if pick < *w {
+                chosen = *id;
+                break;
+            }
+            pick -= w;
+        }
+        if chosen as u32 == prepared.tokenizer.eos_id() {
+            break;
+        }
+        ids.push(chosen as i64);
+    }
+    let generated: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+    let text = prepared.tokenizer.decode(&generated)?;
+    let _ = prompt_len;
+    Ok(text)
+}
+
+fn named_map(items: Vec<(String, Vec<usize>, Vec<f32>)>) -> Result<TensorMap> {
+    items.into_iter().map(|(n, shape, data)| Ok((n, HostTensor::new(shape, data)?))).collect()
+}
+
+fn load_checked(dir: &Path, config: &LlamaConfig) -> Result<TensorMap> {
+    let tensors = hf::load_safetensors_dir(dir)?;
+    hf::check_tensors(&crate::model::parameter_shapes(config), &tensors, dir)?;
+    Ok(tensors)
+}
+
+fn map_init<'a>(tensors: &'a TensorMap, path: &'a Path) -> Box<ParamInit<'a>> {
+    Box::new(move |name: &str, _shape: &[usize], range: std::ops::Range<usize>| {
+        let t = tensors
+            .get(name)
+            .ok_or_else(|| LlamaError::checkpoint(path, format!("tensor {name} is missing")))?;
+        Ok(t.data[range].to_vec())
+    })
+}
+
+/// Exports the model as a Hugging Face directory (bf16 by default). Collective; rank 0 writes.
+pub fn export_hf<B: AutodiffBackend>(model: &ShardedLlama<B>, prepared: &Prepared, dir: &Path, lead: bool) -> Result<()> {
+    let weights = named_map(model.gather_named(StateKind::Weights)?)?;
+    if !lead {
+        return Ok(());
+    }
+    let dtype: SaveDType = prepared.config.export_dtype.parse()?;
+    let tmp = tempdir_in(dir.parent().unwrap_or(Path::new(".")))?;
+    let tok = tmp.join("tokenizer.json");
+    prepared.tokenizer.save(&tok)?;
+    hf::save_hf_dir(dir, &prepared.model, &weights, dtype, 2 << 30, Some(&tok))?;
+    let _ = std::fs::remove_dir_all(&tmp);
+    tracing::info!("exported a Hugging Face checkpoint to {}", dir.display());
+    Ok(())
+}
+
+fn tempdir_in(parent: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(parent).map_err(|e| LlamaError::io(parent, e))?;
+    let dir = parent.join(format!(".smp-tmp-{}-{:?}", std::process::id(), std::thread::current().id()))
+        .to_path_buf();
+    let dir = PathBuf::from(dir.to_string_lossy().replace(['(', ')'], ""));
+    std::fs::create_dir_all(&dir).map_err(|e| LlamaError::io(&dir, e))?;
+    Ok(dir)
+}
+
+/// What besides tensors a checkpoint records.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// Where the data stream continues.
+    pub data_position: DataPosition,
+    /// The model shape the checkpoint holds.
+    pub model: LlamaConfig,
+    /// The configuration of the run that wrote it.
+    pub train: TrainConfig,
+}
+
+impl TrainerState {
+    fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join("trainer_state.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| LlamaError::io(&path, e))?;
+        serde_json::from_str(&text).map_err(|e| LlamaError::checkpoint(&path, format!("unreadable: {e}")))
+    }
+}
+
+/// The checkpoint named by `out_dir/latest`, if any.
+pub fn latest_checkpoint(out_dir: &Path) -> Result<Option<PathBuf>> {
+    let latest = out_dir.join("checkpoints").join("latest");
+    match std::fs::read_to_string(&latest) {
+        Ok(name) => {
+            let dir = out_dir.join("checkpoints").join(name.trim());
+            if !dir.join("trainer_state.json").exists() {
+                return Err(LlamaError::checkpoint(&dir, "named by 'latest' but incomplete or missing"));
+            }
+            Ok(Some(dir))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(LlamaError::io(latest, e)),
+    }
+}
+
+/// Writes a full checkpoint (fp32 weights, AdamW moments, data position, tokenizer) under
+/// `out_dir/checkpoints/step-NNNNNN`, atomically: everything is written to a temporary
+/// directory that is renamed into place, and only then does `latest` (itself replaced by a
+/// rename) point at it. A crash at any moment leaves the previous checkpoint usable.
+/// Collective: every rank gathers; rank 0 writes.
+pub fn save_checkpoint<B: AutodiffBackend>(
+    model: &ShardedLlama<B>,
+    prepared: &Prepared,
+    step: u64,
+    position: DataPosition,
+    lead: bool,
+) -> Result<()> {
+    let weights = named_map(model.gather_named(StateKind::Weights)?)?;
+    let m1 = named_map(model.gather_named(StateKind::ExpAvg)?)?;
+    let m2 = named_map(model.gather_named(StateKind::ExpAvgSq)?)?;
+    if !lead {
+        return Ok(());
+    }
+    let root = prepared.config.out_dir.join("checkpoints");
+    std::fs::create_dir_all(&root).map_err(|e| LlamaError::io(&root, e))?;
+    let name = format!("step-{step:06}");
+    let tmp = root.join(format!(".{name}.partial"));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| LlamaError::io(&tmp, e))?;
+    let f32_shards = 4 << 30;
+    hf::save_hf_dir(tmp.join("model"), &prepared.model, &weights, SaveDType::F32, f32_shards, None)?;
+    hf::save_hf_dir(tmp.join("optimizer/exp_avg"), &prepared.model, &m1, SaveDType::F32, f32_shards, None)?;
+    hf::save_hf_dir(tmp.join("optimizer/exp_avg_sq"), &prepared.model, &m2, SaveDType::F32, f32_shards, None)?;
+    prepared.tokenizer.save(tmp.join("tokenizer.json"))?;
+    let state = TrainerState { step, data_position: position, model: prepared.model.clone(), train: prepared.config.clone() };
+    let state_path = tmp.join("trainer_state.json");
+    std::fs::write(&state_path, serde_json::to_string_pretty(&state).expect("serializable"))
+        .map_err(|e| LlamaError::io(&state_path, e))?;
+    let dest = root.join(&name);
+    if dest.exists() {
+        std::fs::remove_dir_all(&dest).map_err(|e| LlamaError::io(&dest, e))?;
+    }
+    std::fs::rename(&tmp, &dest).map_err(|e| LlamaError::io(&dest, e))?;
+    let latest_tmp = root.join(".latest.partial");
+    std::fs::write(&latest_tmp, &name).map_err(|e| LlamaError::io(&latest_tmp, e))?;
+    std::fs::rename(&latest_tmp, root.join("latest")).map_err(|e| LlamaError::io(root.join("latest"), e))?;
+    Ok(())
+}
+
+trait ElemToF64 {
+    fn elem_to_f64(self) -> f64;
+}
+impl<E: burn::tensor::ElementConversion> ElemToF64 for E {
+    fn elem_to_f64(self) -> f64 {
+        self.elem::<f64>()
+    }
+}
