@@ -1,0 +1,298 @@
+//! End-to-end runs of the trainer behind `llama2_train` (`llama::train`): the `tiny` model on a
+//! 200 KB slice of the embedded Shakespeare corpus, on one and two CPU thread-ranks.
+//!
+//! Every run is short (a few steps of 4 x 32 tokens), so the whole file takes seconds.
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::backend::Autodiff;
+use burn_ndarray::NdArray;
+use collectives::{CommOptions, Communicator, DeviceMesh, run_on_threads};
+use llama::LlamaConfig;
+use llama::data::{DataSource, load_texts};
+use llama::hf::{self, TensorMap};
+use llama::tokenizer::TextTokenizer;
+use llama::train::{self, Prepared, RankGroups, Summary, TrainConfig};
+use smp_burn::fsdp::FsdpContext;
+use smp_burn::{HostTensorComm, ParallelDims, TensorComm};
+
+type Cpu = Autodiff<NdArray<f32>>;
+
+/// A temporary directory holding a ~200 KB slice of the corpus and a tokenizer trained on it
+/// (vocabulary 300), shared by the runs of one test so that they see the same token ids.
+struct Fixture {
+    dir: tempfile::TempDir,
+    data: PathBuf,
+    tokenizer: PathBuf,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let corpus = load_texts(&DataSource::Embedded, "text").expect("embedded corpus").remove(0);
+        // Skip the Project Gutenberg header: start 1 MB in, at a line boundary.
+        let start = corpus[1_000_000..].find('\n').expect("a newline") + 1_000_001;
+        let mut end = start + 200_000;
+        while !corpus.is_char_boundary(end) {
+            end += 1;
+        }
+        let text = &corpus[start..end];
+        let data = dir.path().join("corpus.txt");
+        std::fs::write(&data, text).expect("write corpus");
+        let tokenizer = dir.path().join("tokenizer.json");
+        TextTokenizer::train_byte_level_bpe([text], 300)
+            .expect("train tokenizer")
+            .save(&tokenizer)
+            .expect("save tokenizer");
+        Self { dir, data, tokenizer }
+    }
+
+    /// A short run of the tiny model writing to `<tempdir>/<name>`.
+    fn config(&self, name: &str) -> TrainConfig {
+        TrainConfig {
+            model: "tiny".into(),
+            vocab_size: 300,
+            seq_len: 32,
+            micro_batch: 4,
+            steps: 6,
+            warmup_steps: 2,
+            data: self.data.to_string_lossy().into_owned(),
+            tokenizer: Some(self.tokenizer.clone()),
+            eval_batches: 2,
+            out_dir: self.dir.path().join(name),
+            export_hf: None,
+            sample: None,
+            progress: false,
+            ..TrainConfig::default()
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+/// One CPU rank, set up as `llama2_train` sets up its thread-ranks.
+fn cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary, Box<dyn Error>> {
+    let dims = ParallelDims::new(&prepared.config.parallel, world.world_size())?;
+    let mesh = DeviceMesh::new(world.clone(), &dims.mesh_axes())?;
+    let shard: Arc<dyn TensorComm<NdArray<f32>>> =
+        Arc::new(HostTensorComm::new(mesh.axis("shard")?));
+    let replicate: Arc<dyn TensorComm<NdArray<f32>>> =
+        Arc::new(HostTensorComm::new(mesh.axis("replicate")?));
+    let groups = RankGroups {
+        world: world.clone(),
+        fsdp: FsdpContext::new(shard, Some(replicate), &prepared.config.parallel),
+        dp_rank: world.rank() / dims.tensor,
+        dp_size: world.world_size() / dims.tensor,
+    };
+    Ok(train::train_rank::<Cpu>(prepared, groups, &Default::default(), None, &|| None)?)
+}
+
+/// Prepares and trains on `world` thread-ranks; rank 0's summary, or the first rank's error.
+fn try_train(config: TrainConfig, world: usize) -> Result<Summary, String> {
+    let prepared = train::prepare(config).map_err(|e| e.to_string())?;
+    let opts = CommOptions { timeout: Duration::from_secs(60) };
+    let results = run_on_threads(world, opts, |comm| {
+        cpu_rank(comm, &prepared).map_err(|e| e.to_string())
+    });
+    let mut results = results.into_iter();
+    let first = results.next().expect("at least one rank");
+    for (i, r) in results.enumerate() {
+        // Every rank reports the same (data-parallel mean) losses, or fails alike.
+        match (&first, &r) {
+            (Ok(a), Ok(b)) => assert_eq!(bits(&a.losses), bits(&b.losses), "rank {} losses", i + 1),
+            (Err(_), Err(_)) => {}
+            _ => panic!("rank 0 gave {first:?} but rank {} gave {r:?}", i + 1),
+        }
+    }
+    first
+}
+
+fn train(config: TrainConfig, world: usize) -> Summary {
+    try_train(config, world).unwrap_or_else(|e| panic!("training failed: {e}"))
+}
+
+fn bits(v: &[f64]) -> Vec<u64> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn assert_same_tensors(a: &TensorMap, b: &TensorMap, what: &str) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}: tensor names");
+    for (name, ta) in a {
+        let tb = &b[name];
+        assert_eq!(ta.shape, tb.shape, "{what}: shape of {name}");
+        let same = ta.data.iter().zip(&tb.data).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{what}: {name} differs");
+    }
+}
+
+/// A run interrupted after 3 steps and resumed continues exactly as if it had not stopped:
+/// same losses bit for bit (f32 on the CPU is deterministic) and the same final weights.
+/// Two ranks, so that sharded optimizer state goes through the checkpoint.
+///
+/// The learning rate is held constant: the cosine schedule depends on `steps`, which is 3 in
+/// the first half of the interrupted run and 6 in the straight run.
+#[test]
+fn resume_is_exact() {
+    let fx = Fixture::new();
+    let base = |name: &str, steps: u64| TrainConfig {
+        steps,
+        warmup_steps: 0,
+        min_lr: 3e-3,
+        lr: 3e-3,
+        export_hf: Some(fx.path(name).join("hf")),
+        export_dtype: "f32".into(),
+        ..fx.config(name)
+    };
+    let straight = train(base("straight", 6), 2);
+    assert_eq!(straight.losses.len(), 6);
+
+    let first = train(base("split", 3), 2);
+    assert_eq!(bits(&first.losses), bits(&straight.losses[..3]), "the first 3 steps");
+    let latest = train::latest_checkpoint(&fx.path("split")).unwrap().expect("a checkpoint");
+    assert!(latest.ends_with("step-000003"), "{}", latest.display());
+
+    let resumed = train(TrainConfig { resume: true, ..base("split", 6) }, 2);
+    assert_eq!(resumed.steps, 6);
+    assert_eq!(
+        bits(&resumed.losses),
+        bits(&straight.losses[3..]),
+        "steps 4-6 after resume: {:?} vs straight {:?}",
+        resumed.losses,
+        &straight.losses[3..]
+    );
+    let a = hf::load_safetensors_dir(fx.path("straight").join("hf")).unwrap();
+    let b = hf::load_safetensors_dir(fx.path("split").join("hf")).unwrap();
+    assert_same_tensors(&a, &b, "exported weights, straight vs resumed");
+    // The metrics log holds each step once: the resumed run appended steps 4-6.
+    let metrics = std::fs::read_to_string(fx.path("split").join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 6, "{metrics}");
+}
+
+/// Two ranks of 2 rows each train like one rank of 4 rows: the micro-batch is per rank, the
+/// global batch (and the data order) the same.
+///
+/// Tolerance: the 2-rank run averages two per-rank means and reduces gradients across ranks,
+/// the 1-rank run sums in another order, so the runs differ by f32 rounding (~1e-7 relative per
+/// operation), which AdamW can amplify a little over steps where a gradient is near zero. We
+/// accept 1e-4 relative on every step's loss; a wrong slice or a double-counted rank moves the
+/// loss by far more (the losses change by ~1e-2 per step).
+#[test]
+fn two_ranks_match_one_rank() {
+    let fx = Fixture::new();
+    let one = train(fx.config("one"), 1);
+    let two = train(TrainConfig { micro_batch: 2, ..fx.config("two") }, 2);
+    assert_eq!(one.losses.len(), 6);
+    assert!(one.losses[5] < one.losses[0], "the model should learn: {:?}", one.losses);
+    for (step, (a, b)) in one.losses.iter().zip(&two.losses).enumerate() {
+        let rel = (a - b).abs() / a.abs();
+        assert!(rel <= 1e-4, "step {}: 2-rank loss {b} vs 1-rank {a} ({rel:.1e} relative)", step + 1);
+    }
+    let (a, b) = (one.final_val_loss.unwrap(), two.final_val_loss.unwrap());
+    assert!((a - b).abs() <= 1e-4 * a, "validation loss {b} vs {a}");
+}
+
+fn expect_error(result: Result<Summary, String>, what: &str) -> String {
+    match result {
+        Ok(s) => panic!("{what}: expected an error, got a run of {} steps", s.steps),
+        Err(e) => e,
+    }
+}
+
+/// Bad configurations and damaged checkpoints give errors that name the values involved, and
+/// never a panic (`try_train` would propagate one).
+#[test]
+fn errors_name_the_values() {
+    let fx = Fixture::new();
+    let one_step = |name: &str| TrainConfig { steps: 1, ..fx.config(name) };
+    train(one_step("ckpt"), 1);
+
+    // Resuming with another model shape names both shapes.
+    let e = expect_error(
+        try_train(TrainConfig { model: "small".into(), resume: true, ..one_step("ckpt") }, 1),
+        "resume with another shape",
+    );
+    assert!(e.contains("hidden_size: 64") && e.contains("hidden_size: 128"), "{e}");
+
+    // A truncated weights file names the file.
+    let ckpt = train::latest_checkpoint(&fx.path("ckpt")).unwrap().expect("a checkpoint");
+    let file = ckpt.join("model").join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("the checkpoint holds model/model.safetensors");
+    std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+    let e = expect_error(
+        try_train(TrainConfig { resume: true, ..one_step("ckpt") }, 1),
+        "truncated checkpoint",
+    );
+    assert!(e.contains(&file.display().to_string()), "{e}");
+
+    // A global batch that is not a whole number of micro-batches: 2 ranks x 4 rows x 32 tokens
+    // = 256 tokens per micro-batch.
+    let e = expect_error(
+        try_train(TrainConfig { global_batch_tokens: 384, ..one_step("batch") }, 2),
+        "global_batch_tokens",
+    );
+    assert!(e.contains("384") && e.contains("256"), "{e}");
+
+    // An unknown preset names the known ones.
+    let e = expect_error(
+        try_train(TrainConfig { model: "huge".into(), ..one_step("preset") }, 1),
+        "unknown preset",
+    );
+    assert!(e.contains("huge"), "{e}");
+    for name in LlamaConfig::PRESETS {
+        assert!(e.contains(name), "{e} should name {name}");
+    }
+
+    // Hybrid sharding over groups of 3 cannot split 2 ranks.
+    let mut cfg = one_step("hybrid");
+    cfg.parallel.hybrid_shard_degree = 3;
+    let e = expect_error(try_train(cfg, 2), "hybrid_shard_degree");
+    assert!(e.contains("hybrid_shard_degree 3") && e.contains("size 2"), "{e}");
+}
+
+/// The Hugging Face export of a run reloads with every parameter at its shape, and matches the
+/// fp32 checkpoint of the same step to bf16 precision.
+#[test]
+fn hf_export_reloads() {
+    let fx = Fixture::new();
+    let hf_dir = fx.path("export").join("hf");
+    let cfg = TrainConfig { steps: 2, export_hf: Some(hf_dir.clone()), ..fx.config("export") };
+    train(cfg.clone(), 2);
+
+    let model = hf::read_hf_config(&hf_dir).expect("config.json");
+    let expected = train::model_config(&cfg, 300).unwrap();
+    assert_eq!(model, expected);
+    let exported = hf::load_safetensors_dir(&hf_dir).expect("reload");
+    let shapes = llama::model::parameter_shapes(&model);
+    assert_eq!(exported.len(), shapes.len(), "{:?}", exported.keys().collect::<Vec<_>>());
+    for (name, shape) in &shapes {
+        let t = exported.get(name).unwrap_or_else(|| panic!("{name} missing from the export"));
+        assert_eq!(&t.shape, shape, "{name}");
+    }
+    assert!(hf_dir.join("tokenizer.json").exists(), "the export carries the tokenizer");
+
+    let ckpt = train::latest_checkpoint(&fx.path("export")).unwrap().expect("a checkpoint");
+    let master = hf::load_safetensors_dir(ckpt.join("model")).unwrap();
+    for (name, t) in &exported {
+        let m = &master[name];
+        for (x, y) in t.data.iter().zip(&m.data) {
+            // bf16 keeps 8 significant bits: relative error at most 2^-8 after rounding.
+            assert!((x - y).abs() <= y.abs() / 256.0, "{name}: exported {x} vs fp32 {y}");
+        }
+    }
+}
+
+/// Llama 2's published parameter counts, from the shapes alone (nothing is allocated).
+#[test]
+fn preset_parameter_counts() {
+    for (name, published) in
+        [("7b", 6_738_415_616usize), ("13b", 13_015_864_320), ("70b", 68_976_648_192)]
+    {
+        let n = LlamaConfig::preset(name).unwrap().num_parameters();
+        assert_eq!(n, published, "{name}");
+    }
+}
