@@ -81,7 +81,7 @@ impl ParallelDims {
         if world == 0 {
             return Err(SmpError::Config("world size must be at least 1".into()));
         }
-        if world % tp != 0 {
+        if !world.is_multiple_of(tp) {
             return Err(SmpError::Config(format!(
                 "tensor_parallel_degree {tp} does not divide the world size {world}"
             )));
@@ -89,7 +89,7 @@ impl ParallelDims {
         let dp = world / tp;
         let shard = match config.hybrid_shard_degree {
             0 => dp,
-            k if dp % k == 0 => k,
+            k if dp.is_multiple_of(k) => k,
             k => {
                 return Err(SmpError::Config(format!(
                     "hybrid_shard_degree {k} does not divide the data-parallel size {dp} \
