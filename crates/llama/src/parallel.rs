@@ -33,6 +33,9 @@ pub struct ShardedLlama<B: AutodiffBackend> {
     checkpointing: bool,
 }
 
+/// Full tensors by Hugging Face name: `(name, shape, fp32 values)`.
+pub type NamedTensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
 /// Per-step numbers the trainer reports.
 #[derive(Debug, Clone, Copy)]
 pub struct StepStats {
@@ -143,7 +146,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         // Layers: either keep only each layer's input (checkpointing) or its whole graph.
         enum Saved<B: AutodiffBackend> {
             Input(Tensor<B::InnerBackend, 3>),
-            Graph { module: DecoderLayer<B>, input: Tensor<B, 3>, output: Tensor<B, 3> },
+            Graph { module: Box<DecoderLayer<B>>, input: Tensor<B, 3>, output: Tensor<B, 3> },
         }
         let mut saved: Vec<Saved<B>> = Vec::with_capacity(self.layers.len());
         for unit in &self.layers {
@@ -157,7 +160,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                 let input = x.require_grad();
                 let output = layer.forward(input.clone(), cos.clone(), sin.clone());
                 x = Tensor::from_inner(output.clone().inner());
-                saved.push(Saved::Graph { module: layer, input, output });
+                saved.push(Saved::Graph { module: Box::new(layer), input, output });
             }
         }
 
@@ -180,7 +183,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                     let output = layer.forward(input.clone(), cos.clone(), sin.clone());
                     (layer, input, output)
                 }
-                Saved::Graph { module, input, output } => (module, input, output),
+                Saved::Graph { module, input, output } => (*module, input, output),
             };
             let grads = (output * Tensor::from_inner(grad)).sum().backward();
             grad = input.grad(&grads).expect("a layer's input takes part in its output");
@@ -250,7 +253,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
 
     /// Every parameter's (or optimizer moment's) full fp32 values under its Hugging Face name.
     /// Collective: every rank of the shard group must call it.
-    pub fn gather_named(&self, which: StateKind) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    pub fn gather_named(&self, which: StateKind) -> Result<NamedTensors> {
         let mut out = Vec::new();
         let mut add = |kind: UnitKind, items: Vec<(FlatParam, Vec<f32>)>| {
             out.extend(items.into_iter().map(|(p, v)| (hf_name(kind, &p.name), p.shape, v)));

@@ -244,7 +244,7 @@ pub fn accumulation_steps(cfg: &TrainConfig, dp_size: usize) -> Result<usize> {
     if cfg.global_batch_tokens == 0 {
         return Ok(1);
     }
-    if cfg.global_batch_tokens % per_micro != 0 {
+    if !cfg.global_batch_tokens.is_multiple_of(per_micro) {
         return Err(LlamaError::Config(format!(
             "global_batch_tokens {} is not a multiple of micro_batch {} x seq_len {} x data-parallel ranks {dp_size} = {per_micro}",
             cfg.global_batch_tokens, cfg.micro_batch, cfg.seq_len
@@ -495,7 +495,7 @@ pub fn generate<B: AutodiffBackend>(
     let mut ids: Vec<i64> = prepared.tokenizer.encode(prompt)?.into_iter().map(i64::from).collect();
     let prompt_len = ids.len();
     let window = prepared.config.seq_len;
-    let mut rng = 0x5DEE_CE66_Du64 ^ prepared.config.seed;
+    let mut rng = 0x0005_DEEC_E66D_u64 ^ prepared.config.seed;
     for _ in 0..tokens {
         let context = &ids[ids.len().saturating_sub(window)..];
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(context.to_vec(), [1, context.len()]), device);
