@@ -110,7 +110,21 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
     macro_rules! set {
         ($($field:ident),*) => { $( if let Some(v) = cli.$field.clone() { c.$field = v; } )* };
     }
-    set!(model, seq_len, micro_batch, global_batch_tokens, steps, lr, warmup_steps, seed, data, vocab_size, out_dir, checkpoint_interval, eval_interval);
+    set!(
+        model,
+        seq_len,
+        micro_batch,
+        global_batch_tokens,
+        steps,
+        lr,
+        warmup_steps,
+        seed,
+        data,
+        vocab_size,
+        out_dir,
+        checkpoint_interval,
+        eval_interval
+    );
     if cli.tokenizer.is_some() {
         c.tokenizer = cli.tokenizer.clone();
     }
@@ -154,7 +168,10 @@ fn peak_rss() -> Option<u64> {
     Some(kb * 1024)
 }
 
-fn axis_groups(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<(DeviceMesh, ParallelDims), Box<dyn std::error::Error + Send + Sync>> {
+fn axis_groups(
+    world: Arc<dyn Communicator>,
+    prepared: &Prepared,
+) -> Result<(DeviceMesh, ParallelDims), Box<dyn std::error::Error + Send + Sync>> {
     let dims = ParallelDims::new(&prepared.config.parallel, world.world_size())?;
     let mesh = DeviceMesh::new(world, &dims.mesh_axes())?;
     Ok((mesh, dims))
@@ -165,18 +182,30 @@ type DynError = Box<dyn std::error::Error + Send + Sync>;
 fn run_cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary, DynError> {
     type B = Autodiff<NdArray<f32>>;
     let (mesh, dims) = axis_groups(world.clone(), prepared)?;
-    let shard: Arc<dyn TensorComm<NdArray<f32>>> = Arc::new(HostTensorComm::new(mesh.axis("shard")?));
-    let replicate: Arc<dyn TensorComm<NdArray<f32>>> = Arc::new(HostTensorComm::new(mesh.axis("replicate")?));
+    let shard: Arc<dyn TensorComm<NdArray<f32>>> =
+        Arc::new(HostTensorComm::new(mesh.axis("shard")?));
+    let replicate: Arc<dyn TensorComm<NdArray<f32>>> =
+        Arc::new(HostTensorComm::new(mesh.axis("replicate")?));
     let groups = RankGroups {
         world: world.clone(),
         fsdp: FsdpContext::new(shard, Some(replicate), &prepared.config.parallel),
         dp_rank: world.rank() / dims.tensor,
         dp_size: world.world_size() / dims.tensor,
     };
-    Ok(train::train_rank::<B>(prepared, groups, &Default::default(), None, &peak_rss)?)
+    Ok(train::train_rank::<B>(
+        prepared,
+        groups,
+        &Default::default(),
+        None,
+        &peak_rss,
+    )?)
 }
 
-fn run_cuda_rank(world: Arc<dyn Communicator>, prepared: &Prepared, gpu: usize) -> Result<Summary, DynError> {
+fn run_cuda_rank(
+    world: Arc<dyn Communicator>,
+    prepared: &Prepared,
+    gpu: usize,
+) -> Result<Summary, DynError> {
     type Inner = Cuda<f32, i32>;
     type B = Autodiff<Inner>;
     let (mesh, dims) = axis_groups(world.clone(), prepared)?;
@@ -191,16 +220,28 @@ fn run_cuda_rank(world: Arc<dyn Communicator>, prepared: &Prepared, gpu: usize) 
     };
     let groups = RankGroups {
         world: world.clone(),
-        fsdp: FsdpContext::new(comm("shard")?, Some(comm("replicate")?), &prepared.config.parallel),
+        fsdp: FsdpContext::new(
+            comm("shard")?,
+            Some(comm("replicate")?),
+            &prepared.config.parallel,
+        ),
         dp_rank: world.rank() / dims.tensor,
         dp_size: world.world_size() / dims.tensor,
     };
-    Ok(train::train_rank::<B>(prepared, groups, &device, Some(H100_PEAK_FLOPS), &|| None)?)
+    Ok(train::train_rank::<B>(
+        prepared,
+        groups,
+        &device,
+        Some(H100_PEAK_FLOPS),
+        &|| None,
+    )?)
 }
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_target(false)
         .with_writer(std::io::stderr)
         .init();
@@ -224,7 +265,11 @@ fn run(cli: Cli) -> Result<(), DynError> {
         other => return Err(format!("unknown device '{other}': use cpu or cuda").into()),
     };
     let launched = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
-    let gpus = if cuda { smp_burn::cuda::cuda_device_count() } else { 0 };
+    let gpus = if cuda {
+        smp_burn::cuda::cuda_device_count()
+    } else {
+        0
+    };
     if cuda && gpus == 0 {
         return Err("--device cuda: no CUDA device found (is the NVIDIA driver loaded?)".into());
     }
@@ -247,7 +292,11 @@ fn run(cli: Cli) -> Result<(), DynError> {
         }
         run_on_threads(n, opts, |world| {
             let rank = world.rank();
-            let out = if cuda { run_cuda_rank(world, &prepared, rank) } else { run_cpu_rank(world, &prepared) };
+            let out = if cuda {
+                run_cuda_rank(world, &prepared, rank)
+            } else {
+                run_cpu_rank(world, &prepared)
+            };
             out.map_err(|e| e.to_string())
         })
     };
@@ -262,7 +311,10 @@ fn run(cli: Cli) -> Result<(), DynError> {
         return Err(e.into());
     }
     if let Some(Ok(s)) = results.first() {
-        let is_lead = !launched || RendezvousConfig::from_env().map(|r| r.rank == 0).unwrap_or(true);
+        let is_lead = !launched
+            || RendezvousConfig::from_env()
+                .map(|r| r.rank == 0)
+                .unwrap_or(true);
         if is_lead {
             print_summary(s, &prepared);
         }
@@ -274,12 +326,28 @@ fn print_summary(s: &Summary, prepared: &Prepared) {
     let c = &prepared.config;
     println!("\n=== summary ===");
     println!("steps: {}   tokens/s: {:.0}", s.steps, s.tokens_per_sec);
-    println!("train loss: {:.3}   validation loss: {}", s.final_loss, s.final_val_loss.map(|v| format!("{v:.3}")).unwrap_or("-".into()));
-    println!("unigram baseline (no context): {:.3} nats/token", s.unigram_entropy);
-    println!("metrics: {}   loss plot: {}", c.out_dir.join("metrics.jsonl").display(), c.out_dir.join("loss.svg").display());
+    println!(
+        "train loss: {:.3}   validation loss: {}",
+        s.final_loss,
+        s.final_val_loss
+            .map(|v| format!("{v:.3}"))
+            .unwrap_or("-".into())
+    );
+    println!(
+        "unigram baseline (no context): {:.3} nats/token",
+        s.unigram_entropy
+    );
+    println!(
+        "metrics: {}   loss plot: {}",
+        c.out_dir.join("metrics.jsonl").display(),
+        c.out_dir.join("loss.svg").display()
+    );
     println!("checkpoint: {}", c.out_dir.join("checkpoints").display());
     if let Some(dir) = &c.export_hf {
-        println!("Hugging Face export: {} (LlamaForCausalLM.from_pretrained)", dir.display());
+        println!(
+            "Hugging Face export: {} (LlamaForCausalLM.from_pretrained)",
+            dir.display()
+        );
     }
     if let Some(text) = &s.sample {
         println!("\n--- sample ---\n{text}\n--------------");

@@ -20,21 +20,40 @@ const SEQ: usize = 16;
 
 fn run(world: usize, parallel: ParallelConfig, micro_batches: usize) -> Vec<RunResult> {
     let config = LlamaConfig::preset("tiny").unwrap();
-    let opts = CommOptions { timeout: std::time::Duration::from_secs(60) };
+    let opts = CommOptions {
+        timeout: std::time::Duration::from_secs(60),
+    };
     run_on_threads(world, opts, |comm| {
-        train_rank(comm, &parallel, &config, STEPS, GLOBAL_BATCH, SEQ, micro_batches)
+        train_rank(
+            comm,
+            &parallel,
+            &config,
+            STEPS,
+            GLOBAL_BATCH,
+            SEQ,
+            micro_batches,
+        )
     })
 }
 
 fn assert_matches(reference: &RunResult, got: &RunResult, what: &str) {
     for (step, (a, b)) in reference.losses.iter().zip(&got.losses).enumerate() {
-        assert!((a - b).abs() <= 2e-5 * a.abs(), "{what}: step {step} loss {b} vs 1-rank {a}");
+        assert!(
+            (a - b).abs() <= 2e-5 * a.abs(),
+            "{what}: step {step} loss {b} vs 1-rank {a}"
+        );
     }
     for (a, b) in reference.grad_norms.iter().zip(&got.grad_norms) {
-        assert!((a - b).abs() <= 1e-3 * a.abs(), "{what}: grad norm {b} vs 1-rank {a}");
+        assert!(
+            (a - b).abs() <= 1e-3 * a.abs(),
+            "{what}: grad norm {b} vs 1-rank {a}"
+        );
     }
     let diff = max_param_rel_diff(reference, got);
-    assert!(diff < 1e-3, "{what}: parameters differ from 1-rank by {diff:.2e} (relative)");
+    assert!(
+        diff < 1e-3,
+        "{what}: parameters differ from 1-rank by {diff:.2e} (relative)"
+    );
 }
 
 fn parallel(sdp: usize, checkpointing: bool) -> ParallelConfig {
@@ -48,11 +67,19 @@ fn parallel(sdp: usize, checkpointing: bool) -> ParallelConfig {
 #[test]
 fn sharded_training_matches_one_rank() {
     let reference = run(1, parallel(0, true), 1).remove(0);
-    assert!(reference.losses[STEPS - 1] < reference.losses[0], "the model should learn: {:?}", reference.losses);
+    assert!(
+        reference.losses[STEPS - 1] < reference.losses[0],
+        "the model should learn: {:?}",
+        reference.losses
+    );
     for world in [2, 3, 4] {
         let runs = run(world, parallel(0, true), 1);
         for (rank, r) in runs.iter().enumerate() {
-            assert_matches(&reference, r, &format!("full sharding, {world} ranks, rank {rank}"));
+            assert_matches(
+                &reference,
+                r,
+                &format!("full sharding, {world} ranks, rank {rank}"),
+            );
         }
     }
 }
@@ -82,6 +109,9 @@ fn each_rank_holds_a_quarter_of_the_state() {
     for r in run(4, parallel(0, true), 1) {
         let ratio = r.state_bytes as f64 / one.state_bytes as f64;
         // Padding to a multiple of 4 adds at most 3 elements per unit.
-        assert!((ratio - 0.25).abs() < 0.01, "rank holds {ratio:.4} of the 1-rank state");
+        assert!(
+            (ratio - 0.25).abs() < 0.01,
+            "rank holds {ratio:.4} of the 1-rank state"
+        );
     }
 }

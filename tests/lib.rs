@@ -58,8 +58,9 @@ pub fn train_rank(
     let mesh = DeviceMesh::new(comm.clone(), &dims.mesh_axes()).expect("mesh");
     let shard: Arc<dyn TensorComm<NdArray<f32>>> =
         Arc::new(HostTensorComm::new(mesh.axis("shard").expect("shard axis")));
-    let replicate: Arc<dyn TensorComm<NdArray<f32>>> =
-        Arc::new(HostTensorComm::new(mesh.axis("replicate").expect("replicate axis")));
+    let replicate: Arc<dyn TensorComm<NdArray<f32>>> = Arc::new(HostTensorComm::new(
+        mesh.axis("replicate").expect("replicate axis"),
+    ));
     let ctx = FsdpContext::new(shard, Some(replicate), parallel);
     let init = seeded_init(42);
     let mut model = ShardedLlama::<Cpu>::new(
@@ -75,26 +76,48 @@ pub fn train_rank(
     let local = global_batch / dp;
     // A large epsilon keeps Adam's update proportional to the gradient for tiny gradients, where
     // `g / sqrt(v)` would otherwise turn rounding noise into a full +-lr step of either sign.
-    let opt = AdamW { eps: 1e-3, ..AdamW::default() };
-    let mut result = RunResult { losses: vec![], grad_norms: vec![], params: vec![], state_bytes: 0 };
+    let opt = AdamW {
+        eps: 1e-3,
+        ..AdamW::default()
+    };
+    let mut result = RunResult {
+        losses: vec![],
+        grad_norms: vec![],
+        params: vec![],
+        state_bytes: 0,
+    };
     for step in 0..steps {
         let mut loss_sum = 0.0;
         for mb in 0..micro_batches {
-            let all = synthetic_batch(step * micro_batches + mb, global_batch, seq, config.vocab_size);
+            let all = synthetic_batch(
+                step * micro_batches + mb,
+                global_batch,
+                seq,
+                config.vocab_size,
+            );
             let rows = &all[dp_rank * local * (seq + 1)..(dp_rank + 1) * local * (seq + 1)];
-            let inputs: Vec<i64> = rows.chunks(seq + 1).flat_map(|r| r[..seq].to_vec()).collect();
+            let inputs: Vec<i64> = rows
+                .chunks(seq + 1)
+                .flat_map(|r| r[..seq].to_vec())
+                .collect();
             let targets: Vec<i64> = rows.chunks(seq + 1).flat_map(|r| r[1..].to_vec()).collect();
-            let tokens = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(inputs, [local, seq]), &device);
+            let tokens =
+                Tensor::<Cpu, 2, Int>::from_data(TensorData::new(inputs, [local, seq]), &device);
             let targets =
                 Tensor::<Cpu, 2, Int>::from_data(TensorData::new(targets, [local, seq]), &device);
             let last = mb + 1 == micro_batches;
             let loss = model
                 .forward_backward(tokens, targets, 1.0 / micro_batches as f32, !last)
                 .expect("step");
-            let loss = model.context().mean_over_data_parallel(loss).expect("loss mean");
+            let loss = model
+                .context()
+                .mean_over_data_parallel(loss)
+                .expect("loss mean");
             loss_sum += loss.into_scalar() as f64 / micro_batches as f64;
         }
-        let stats = model.optimizer_step(&opt, 1e-2, step as u64 + 1, Some(1.0)).expect("optimizer");
+        let stats = model
+            .optimizer_step(&opt, 1e-2, step as u64 + 1, Some(1.0))
+            .expect("optimizer");
         result.losses.push(loss_sum);
         result.grad_norms.push(stats.grad_norm);
     }
@@ -117,7 +140,10 @@ pub fn max_param_rel_diff(a: &RunResult, b: &RunResult) -> f64 {
         .map(|((na, va), (nb, vb))| {
             assert_eq!(na, nb);
             let scale = va.iter().fold(0f32, |m, x| m.max(x.abs())) as f64 + 1e-12;
-            let diff = va.iter().zip(vb).fold(0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
+            let diff = va
+                .iter()
+                .zip(vb)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
             diff / scale
         })
         .fold(0.0, f64::max)

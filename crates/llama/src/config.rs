@@ -107,14 +107,19 @@ impl LlamaConfig {
                 c.hidden_size, c.num_attention_heads
             ));
         }
-        if c.num_key_value_heads == 0 || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
+        if c.num_key_value_heads == 0
+            || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads)
+        {
             return fail(format!(
                 "num_attention_heads {} is not divisible by num_key_value_heads {}",
                 c.num_attention_heads, c.num_key_value_heads
             ));
         }
         if !c.head_dim().is_multiple_of(2) {
-            return fail(format!("head dimension {} must be even for rotary embeddings", c.head_dim()));
+            return fail(format!(
+                "head dimension {} must be even for rotary embeddings",
+                c.head_dim()
+            ));
         }
         Ok(())
     }
@@ -139,8 +144,11 @@ impl LlamaConfig {
     /// `6 * N + 12 * L * H * S`, N = parameters outside the token embedding (LM head included).
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
         let n = (self.num_parameters() - self.vocab_size * self.hidden_size
-            + if self.tie_word_embeddings { self.vocab_size * self.hidden_size } else { 0 })
-            as f64;
+            + if self.tie_word_embeddings {
+                self.vocab_size * self.hidden_size
+            } else {
+                0
+            }) as f64;
         6.0 * n + 12.0 * (self.num_hidden_layers * self.hidden_size * seq_len) as f64
     }
 }

@@ -41,11 +41,17 @@ pub enum LlamaError {
 impl LlamaError {
     /// Wraps an I/O error with the path it concerns.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        LlamaError::Io { path: path.into(), source }
+        LlamaError::Io {
+            path: path.into(),
+            source,
+        }
     }
     /// A checkpoint error for `path`.
     pub fn checkpoint(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
-        LlamaError::Checkpoint { path: path.into(), message: message.into() }
+        LlamaError::Checkpoint {
+            path: path.into(),
+            message: message.into(),
+        }
     }
 }
 

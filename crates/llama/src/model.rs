@@ -22,7 +22,9 @@ pub struct Linear<B: Backend> {
 
 impl<B: Backend> Linear<B> {
     fn lazy(out_features: usize, in_features: usize, device: &B::Device) -> Self {
-        Self { weight: Initializer::Zeros.init([out_features, in_features], device) }
+        Self {
+            weight: Initializer::Zeros.init([out_features, in_features], device),
+        }
     }
 
     /// `x @ weight^T`.
@@ -42,7 +44,10 @@ pub struct RmsNorm<B: Backend> {
 
 impl<B: Backend> RmsNorm<B> {
     fn lazy(hidden: usize, eps: f64, device: &B::Device) -> Self {
-        Self { weight: Initializer::Ones.init([hidden], device), eps }
+        Self {
+            weight: Initializer::Ones.init([hidden], device),
+            eps,
+        }
     }
 
     /// Normalizes the last dimension.
@@ -61,7 +66,9 @@ pub struct Embedding<B: Backend> {
 impl<B: Backend> Embedding<B> {
     /// A template whose parameters are lazy (nothing is allocated until they are set).
     pub fn template(config: &LlamaConfig, device: &B::Device) -> Self {
-        Self { weight: Initializer::Zeros.init([config.vocab_size, config.hidden_size], device) }
+        Self {
+            weight: Initializer::Zeros.init([config.vocab_size, config.hidden_size], device),
+        }
     }
 
     /// `[batch, seq]` token ids to `[batch, seq, hidden]`.
@@ -92,13 +99,16 @@ impl<B: Backend> Attention<B> {
     pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -> Tensor<B, 3> {
         let [batch, seq, hidden] = x.dims();
         let head_dim = hidden / self.num_heads;
-        let heads = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, head_dim]).swap_dims(1, 2);
+        let heads =
+            |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, head_dim]).swap_dims(1, 2);
         let q = heads(self.q_proj.forward(x.clone()), self.num_heads);
         let k = heads(self.k_proj.forward(x.clone()), self.num_kv_heads);
         let v = heads(self.v_proj.forward(x), self.num_kv_heads);
         let q = ops::rope(q, cos.clone(), sin.clone());
         let k = ops::rope(k, cos, sin);
-        let out = ops::causal_attention(q, k, v).swap_dims(1, 2).reshape([batch, seq, hidden]);
+        let out = ops::causal_attention(q, k, v)
+            .swap_dims(1, 2)
+            .reshape([batch, seq, hidden]);
         self.o_proj.forward(out)
     }
 }
@@ -138,7 +148,10 @@ pub struct DecoderLayer<B: Backend> {
 impl<B: Backend> DecoderLayer<B> {
     /// A template whose parameters are lazy.
     pub fn template(config: &LlamaConfig, device: &B::Device) -> Self {
-        let (h, kv) = (config.hidden_size, config.num_key_value_heads * config.head_dim());
+        let (h, kv) = (
+            config.hidden_size,
+            config.num_key_value_heads * config.head_dim(),
+        );
         let i = config.intermediate_size;
         Self {
             self_attn: Attention {
@@ -161,7 +174,10 @@ impl<B: Backend> DecoderLayer<B> {
 
     /// `[batch, seq, hidden]` to the same shape.
     pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -> Tensor<B, 3> {
-        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin);
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(self.input_layernorm.forward(x), cos, sin);
         h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
     }
 }
@@ -194,7 +210,10 @@ impl<B: Backend> LmHead<B> {
         let [batch, seq, _] = x.dims();
         let logits = self.logits(x);
         let vocab = logits.dims()[2];
-        ops::cross_entropy(logits.reshape([batch * seq, vocab]), targets.reshape([batch * seq]))
+        ops::cross_entropy(
+            logits.reshape([batch * seq, vocab]),
+            targets.reshape([batch * seq]),
+        )
     }
 }
 
@@ -223,7 +242,11 @@ pub fn hf_name(unit: UnitKind, path: &str) -> String {
 
 /// Llama's initialization: normal(0, 0.02) for matrices, ones for norm weights.
 pub fn init_rule(shape: &[usize]) -> InitRule {
-    if shape.len() >= 2 { InitRule::Normal { std: 0.02 } } else { InitRule::Constant(1.0) }
+    if shape.len() >= 2 {
+        InitRule::Normal { std: 0.02 }
+    } else {
+        InitRule::Constant(1.0)
+    }
 }
 
 /// Every parameter of a model of this shape as (Hugging Face name, shape), without allocating.

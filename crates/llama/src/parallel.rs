@@ -10,7 +10,9 @@
 use std::ops::Range;
 
 use burn::tensor::{Int, Tensor, backend::AutodiffBackend, backend::Backend};
-use smp_burn::fsdp::{AdamW, CommStats, FlatParam, FsdpContext, ShardedUnit, StateKind, clip_factor};
+use smp_burn::fsdp::{
+    AdamW, CommStats, FlatParam, FsdpContext, ShardedUnit, StateKind, clip_factor,
+};
 
 use crate::config::LlamaConfig;
 use crate::error::Result;
@@ -68,7 +70,11 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         let failure = std::cell::RefCell::new(None);
         let unit_init = |kind: UnitKind| {
             let failure = &failure;
-            move |p: &FlatParam, range: Range<usize>| match init(&hf_name(kind, &p.name), &p.shape, range.clone()) {
+            move |p: &FlatParam, range: Range<usize>| match init(
+                &hf_name(kind, &p.name),
+                &p.shape,
+                range.clone(),
+            ) {
                 Ok(v) => v,
                 Err(e) => {
                     failure.borrow_mut().get_or_insert(e);
@@ -120,7 +126,12 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
     }
 
     fn rope(&self, seq: usize) -> (Tensor<B, 2>, Tensor<B, 2>) {
-        smp_burn::ops::rope_tables(seq, self.config.head_dim(), self.config.rope_theta, &self.device)
+        smp_burn::ops::rope_tables(
+            seq,
+            self.config.head_dim(),
+            self.config.rope_theta,
+            &self.device,
+        )
     }
 
     /// Forward and backward of one micro-batch; gradients are added to the shards (or, with
@@ -146,7 +157,11 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         // Layers: either keep only each layer's input (checkpointing) or its whole graph.
         enum Saved<B: AutodiffBackend> {
             Input(Tensor<B::InnerBackend, 3>),
-            Graph { module: Box<DecoderLayer<B>>, input: Tensor<B, 3>, output: Tensor<B, 3> },
+            Graph {
+                module: Box<DecoderLayer<B>>,
+                input: Tensor<B, 3>,
+                output: Tensor<B, 3>,
+            },
         }
         let mut saved: Vec<Saved<B>> = Vec::with_capacity(self.layers.len());
         for unit in &self.layers {
@@ -160,7 +175,11 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                 let input = x.require_grad();
                 let output = layer.forward(input.clone(), cos.clone(), sin.clone());
                 x = Tensor::from_inner(output.clone().inner());
-                saved.push(Saved::Graph { module: Box::new(layer), input, output });
+                saved.push(Saved::Graph {
+                    module: Box::new(layer),
+                    input,
+                    output,
+                });
             }
         }
 
@@ -170,7 +189,9 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         let loss = head.loss(x.clone(), targets);
         let local_loss = loss.clone().inner();
         let grads = (loss * loss_scale).backward();
-        let mut grad = x.grad(&grads).expect("the head's input takes part in the loss");
+        let mut grad = x
+            .grad(&grads)
+            .expect("the head's input takes part in the loss");
         self.head.accumulate_grads(&head, &grads, ctx, defer)?;
         drop((head, grads));
 
@@ -183,10 +204,16 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                     let output = layer.forward(input.clone(), cos.clone(), sin.clone());
                     (layer, input, output)
                 }
-                Saved::Graph { module, input, output } => (*module, input, output),
+                Saved::Graph {
+                    module,
+                    input,
+                    output,
+                } => (*module, input, output),
             };
             let grads = (output * Tensor::from_inner(grad)).sum().backward();
-            grad = input.grad(&grads).expect("a layer's input takes part in its output");
+            grad = input
+                .grad(&grads)
+                .expect("a layer's input takes part in its output");
             unit.accumulate_grads(&module, &grads, ctx, defer)?;
         }
 
@@ -207,14 +234,20 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         step: u64,
         max_norm: Option<f64>,
     ) -> Result<StepStats> {
-        let sq: Vec<_> = self.units_mut_iter().filter_map(|u| u.grad_sq_sum()).collect();
+        let sq: Vec<_> = self
+            .units_mut_iter()
+            .filter_map(|u| u.grad_sq_sum())
+            .collect();
         let (scale, grad_norm) = clip_factor(sq, max_norm, &self.ctx)?;
         self.embed.adamw_step(opt, lr, step, scale.clone());
         for l in &mut self.layers {
             l.adamw_step(opt, lr, step, scale.clone());
         }
         self.head.adamw_step(opt, lr, step, scale);
-        Ok(StepStats { grad_norm, comm: self.ctx.take_stats() })
+        Ok(StepStats {
+            grad_norm,
+            comm: self.ctx.take_stats(),
+        })
     }
 
     fn units_mut_iter(&self) -> impl Iterator<Item = UnitRef<'_, B>> {
@@ -256,9 +289,16 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
     pub fn gather_named(&self, which: StateKind) -> Result<NamedTensors> {
         let mut out = Vec::new();
         let mut add = |kind: UnitKind, items: Vec<(FlatParam, Vec<f32>)>| {
-            out.extend(items.into_iter().map(|(p, v)| (hf_name(kind, &p.name), p.shape, v)));
+            out.extend(
+                items
+                    .into_iter()
+                    .map(|(p, v)| (hf_name(kind, &p.name), p.shape, v)),
+            );
         };
-        add(UnitKind::Embedding, self.embed.gather_full_f32(&self.ctx, which)?);
+        add(
+            UnitKind::Embedding,
+            self.embed.gather_full_f32(&self.ctx, which)?,
+        );
         for (i, l) in self.layers.iter().enumerate() {
             add(UnitKind::Layer(i), l.gather_full_f32(&self.ctx, which)?);
         }
@@ -272,7 +312,11 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         let failure = std::cell::RefCell::new(None);
         let unit_init = |unit: UnitKind| {
             let failure = &failure;
-            move |p: &FlatParam, range: Range<usize>| match init(&hf_name(unit, &p.name), &p.shape, range.clone()) {
+            move |p: &FlatParam, range: Range<usize>| match init(
+                &hf_name(unit, &p.name),
+                &p.shape,
+                range.clone(),
+            ) {
                 Ok(v) => v,
                 Err(e) => {
                     failure.borrow_mut().get_or_insert(e);
@@ -280,7 +324,8 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                 }
             }
         };
-        self.embed.load_state(kind, unit_init(UnitKind::Embedding))?;
+        self.embed
+            .load_state(kind, unit_init(UnitKind::Embedding))?;
         for (i, l) in self.layers.iter_mut().enumerate() {
             l.load_state(kind, unit_init(UnitKind::Layer(i)))?;
         }
@@ -333,7 +378,12 @@ impl<E: burn::tensor::ElementConversion> ElemF64 for E {
 /// any slice of any parameter.
 pub fn seeded_init(seed: u64) -> impl Fn(&str, &[usize], Range<usize>) -> Result<Vec<f32>> {
     move |name, shape, range| {
-        Ok(smp_burn::init::init_values(seed, name, crate::model::init_rule(shape), range))
+        Ok(smp_burn::init::init_values(
+            seed,
+            name,
+            crate::model::init_rule(shape),
+            range,
+        ))
     }
 }
 

@@ -114,7 +114,10 @@ impl Default for TrainConfig {
             export_dtype: "bf16".into(),
             sample: Some("ROMEO:".into()),
             sample_tokens: 120,
-            parallel: ParallelConfig { activation_checkpointing: false, ..Default::default() },
+            parallel: ParallelConfig {
+                activation_checkpointing: false,
+                ..Default::default()
+            },
             progress: true,
         }
     }
@@ -140,7 +143,8 @@ impl TrainConfig {
         }
         let span = self.steps.saturating_sub(self.warmup_steps).max(1) as f64;
         let progress = ((step - self.warmup_steps) as f64 / span).min(1.0);
-        self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
+        self.min_lr
+            + 0.5 * (self.lr - self.min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
     }
 }
 
@@ -180,7 +184,10 @@ pub struct Prepared {
 /// Loads the corpus and the tokenizer (training a byte-level BPE when none is given) and packs
 /// the data. On resume the checkpoint's own tokenizer is used, so token ids stay the same.
 pub fn prepare(config: TrainConfig) -> Result<Prepared> {
-    let texts = crate::data::load_texts(&crate::data::DataSource::from_arg(&config.data), &config.text_field)?;
+    let texts = crate::data::load_texts(
+        &crate::data::DataSource::from_arg(&config.data),
+        &config.text_field,
+    )?;
     let resume_tok = if config.resume {
         latest_checkpoint(&config.out_dir)?.map(|dir| dir.join("tokenizer.json"))
     } else {
@@ -191,11 +198,25 @@ pub fn prepare(config: TrainConfig) -> Result<Prepared> {
         (None, None, Some(dir)) if dir.join("tokenizer.json").exists() => {
             TextTokenizer::from_file(dir.join("tokenizer.json"))?
         }
-        _ => TextTokenizer::train_byte_level_bpe(texts.iter().map(String::as_str), config.vocab_size)?,
+        _ => TextTokenizer::train_byte_level_bpe(
+            texts.iter().map(String::as_str),
+            config.vocab_size,
+        )?,
     };
     let model = model_config(&config, tokenizer.vocab_size())?;
-    let dataset = TokenDataset::from_texts(&texts, &tokenizer, config.seq_len, config.val_fraction, config.seed)?;
-    Ok(Prepared { config, model, tokenizer, dataset })
+    let dataset = TokenDataset::from_texts(
+        &texts,
+        &tokenizer,
+        config.seq_len,
+        config.val_fraction,
+        config.seed,
+    )?;
+    Ok(Prepared {
+        config,
+        model,
+        tokenizer,
+        dataset,
+    })
 }
 
 /// One rank's view of the process groups.
@@ -230,7 +251,10 @@ pub struct Summary {
     pub losses: Vec<f64>,
 }
 
-fn tensors<B: AutodiffBackend>(batch: &Batch, device: &B::Device) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+fn tensors<B: AutodiffBackend>(
+    batch: &Batch,
+    device: &B::Device,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
     let shape = [batch.batch, batch.seq_len];
     (
         Tensor::from_data(TensorData::new(batch.inputs.clone(), shape), device),
@@ -272,14 +296,21 @@ pub fn train_rank<B: AutodiffBackend>(
     let tokens_per_step = (global_micro * accum * cfg.seq_len) as u64;
 
     // Model: from a checkpoint, from Hugging Face weights, or from the seed.
-    let resume_dir = if cfg.resume { latest_checkpoint(&cfg.out_dir)? } else { None };
+    let resume_dir = if cfg.resume {
+        latest_checkpoint(&cfg.out_dir)?
+    } else {
+        None
+    };
     let (mut model, mut start_step, mut position) = match &resume_dir {
         Some(dir) => {
             let state = TrainerState::read(dir)?;
             if state.model != prepared.model {
                 return Err(LlamaError::checkpoint(
                     dir,
-                    format!("was written for model {:?}, this run builds {:?}", state.model, prepared.model),
+                    format!(
+                        "was written for model {:?}, this run builds {:?}",
+                        state.model, prepared.model
+                    ),
                 ));
             }
             let weights = load_checked(&dir.join("model"), &prepared.model)?;
@@ -290,7 +321,10 @@ pub fn train_rank<B: AutodiffBackend>(
                 cfg.parallel.activation_checkpointing,
                 &map_init(&weights, &dir.join("model")),
             )?;
-            for (kind, sub) in [(StateKind::ExpAvg, "exp_avg"), (StateKind::ExpAvgSq, "exp_avg_sq")] {
+            for (kind, sub) in [
+                (StateKind::ExpAvg, "exp_avg"),
+                (StateKind::ExpAvgSq, "exp_avg_sq"),
+            ] {
                 let path = dir.join("optimizer").join(sub);
                 let moments = load_checked(&path, &prepared.model)?;
                 model.load_state(kind, &map_init(&moments, &path))?;
@@ -326,7 +360,11 @@ pub fn train_rank<B: AutodiffBackend>(
     std::fs::create_dir_all(&cfg.out_dir).map_err(|e| LlamaError::io(&cfg.out_dir, e))?;
     let metrics_path = cfg.out_dir.join("metrics.jsonl");
     let mut metrics = if lead {
-        Some(if start_step > 0 { MetricsLog::resume(&metrics_path, start_step)? } else { MetricsLog::create(&metrics_path)? })
+        Some(if start_step > 0 {
+            MetricsLog::resume(&metrics_path, start_step)?
+        } else {
+            MetricsLog::create(&metrics_path)?
+        })
     } else {
         None
     };
@@ -348,14 +386,19 @@ pub fn train_rank<B: AutodiffBackend>(
             prepared.dataset.train_windows(),
             prepared.dataset.val_windows(),
         );
-        tracing::info!("state held by rank 0 (weights, gradients, AdamW): {:.1} MB", model.state_bytes() as f64 / 1e6);
+        tracing::info!(
+            "state held by rank 0 (weights, gradients, AdamW): {:.1} MB",
+            model.state_bytes() as f64 / 1e6
+        );
     }
 
     let bar = (lead && cfg.progress).then(|| {
         let bar = indicatif::ProgressBar::new(cfg.steps);
         bar.set_style(
-            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-                .expect("valid template"),
+            indicatif::ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .expect("valid template"),
         );
         bar.set_position(start_step);
         bar
@@ -376,7 +419,12 @@ pub fn train_rank<B: AutodiffBackend>(
         let lr = cfg.lr_at(step);
         let mut loss_acc: Option<Tensor<B::InnerBackend, 1>> = None;
         for micro in 0..accum {
-            let batch = prepared.dataset.next_batch_for_rank(&mut position, global_micro, groups.dp_rank, groups.dp_size)?;
+            let batch = prepared.dataset.next_batch_for_rank(
+                &mut position,
+                global_micro,
+                groups.dp_rank,
+                groups.dp_size,
+            )?;
             let (inputs, targets) = tensors::<B>(&batch, device);
             let last = micro + 1 == accum;
             let loss = model.forward_backward(inputs, targets, 1.0 / accum as f32, !last)?;
@@ -386,7 +434,9 @@ pub fn train_rank<B: AutodiffBackend>(
             });
         }
         let stats = model.optimizer_step(&cfg.adamw, lr, step + 1, clip)?;
-        let loss = groups.fsdp.mean_over_data_parallel(loss_acc.expect("accum >= 1") / accum as f32)?;
+        let loss = groups
+            .fsdp
+            .mean_over_data_parallel(loss_acc.expect("accum >= 1") / accum as f32)?;
         let loss: f64 = loss.into_scalar().elem_to_f64();
         let dt = t0.elapsed().as_secs_f64();
         start_step += 1;
@@ -400,8 +450,13 @@ pub fn train_rank<B: AutodiffBackend>(
             )));
         }
 
-        let evaluate = start_step == cfg.steps || (cfg.eval_interval > 0 && start_step % cfg.eval_interval == 0);
-        let val_loss = if evaluate { Some(evaluate_loss(&model, prepared, &groups, device)?) } else { None };
+        let evaluate = start_step == cfg.steps
+            || (cfg.eval_interval > 0 && start_step % cfg.eval_interval == 0);
+        let val_loss = if evaluate {
+            Some(evaluate_loss(&model, prepared, &groups, device)?)
+        } else {
+            None
+        };
         if let Some(v) = val_loss {
             last_val = Some(v);
             val_curve.push((start_step, v));
@@ -423,11 +478,17 @@ pub fn train_rank<B: AutodiffBackend>(
             })?;
         }
         if let Some(bar) = &bar {
-            let val = val_loss.or(last_val).map(|v| format!(" val {v:.3}")).unwrap_or_default();
-            bar.set_message(format!("loss {loss:.3}{val} | {tokens_per_sec:.0} tok/s | lr {lr:.1e}"));
+            let val = val_loss
+                .or(last_val)
+                .map(|v| format!(" val {v:.3}"))
+                .unwrap_or_default();
+            bar.set_message(format!(
+                "loss {loss:.3}{val} | {tokens_per_sec:.0} tok/s | lr {lr:.1e}"
+            ));
             bar.set_position(start_step);
         }
-        let save = start_step == cfg.steps || (cfg.checkpoint_interval > 0 && start_step % cfg.checkpoint_interval == 0);
+        let save = start_step == cfg.steps
+            || (cfg.checkpoint_interval > 0 && start_step % cfg.checkpoint_interval == 0);
         if save {
             save_checkpoint(&model, prepared, start_step, position, lead)?;
         }
@@ -438,14 +499,28 @@ pub fn train_rank<B: AutodiffBackend>(
     let elapsed = run_start.elapsed().as_secs_f64();
 
     if lead && !train_curve.is_empty() {
-        let title = format!("Llama {} on {} — train and validation loss", cfg.model, cfg.data);
-        write_loss_plot_svg(cfg.out_dir.join("loss.svg"), &train_curve, &val_curve, &title)?;
+        let title = format!(
+            "Llama {} on {} — train and validation loss",
+            cfg.model, cfg.data
+        );
+        write_loss_plot_svg(
+            cfg.out_dir.join("loss.svg"),
+            &train_curve,
+            &val_curve,
+            &title,
+        )?;
     }
     if let Some(dir) = &cfg.export_hf {
         export_hf(&model, prepared, dir, lead)?;
     }
     let sample = match &cfg.sample {
-        Some(prompt) => Some(generate(&model, prepared, prompt, cfg.sample_tokens, device)?),
+        Some(prompt) => Some(generate(
+            &model,
+            prepared,
+            prompt,
+            cfg.sample_tokens,
+            device,
+        )?),
         None => None,
     };
     Ok(Summary {
@@ -469,7 +544,11 @@ fn evaluate_loss<B: AutodiffBackend>(
     let global = cfg.micro_batch * groups.dp_size;
     let mut total = 0.0;
     let mut n = 0;
-    for batch in prepared.dataset.val_batches_for_rank(global, groups.dp_rank, groups.dp_size)?.take(cfg.eval_batches.max(1)) {
+    for batch in prepared
+        .dataset
+        .val_batches_for_rank(global, groups.dp_rank, groups.dp_size)?
+        .take(cfg.eval_batches.max(1))
+    {
         let (inputs, targets) = tensors::<B>(&batch, device);
         total += model.eval_loss(inputs, targets)?;
         n += 1;
@@ -492,13 +571,21 @@ pub fn generate<B: AutodiffBackend>(
     tokens: usize,
     device: &B::Device,
 ) -> Result<String> {
-    let mut ids: Vec<i64> = prepared.tokenizer.encode(prompt)?.into_iter().map(i64::from).collect();
+    let mut ids: Vec<i64> = prepared
+        .tokenizer
+        .encode(prompt)?
+        .into_iter()
+        .map(i64::from)
+        .collect();
     let prompt_len = ids.len();
     let window = prepared.config.seq_len;
     let mut rng = 0x0005_DEEC_E66D_u64 ^ prepared.config.seed;
     for _ in 0..tokens {
         let context = &ids[ids.len().saturating_sub(window)..];
-        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(context.to_vec(), [1, context.len()]), device);
+        let input = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(context.to_vec(), [1, context.len()]),
+            device,
+        );
         let logits = model.logits(input)?;
         let vocab = logits.dims()[2];
         let last: Vec<f32> = logits
@@ -512,7 +599,10 @@ pub fn generate<B: AutodiffBackend>(
         top.sort_by(|a, b| b.1.total_cmp(&a.1));
         top.truncate(40);
         let max = top[0].1;
-        let weights: Vec<f64> = top.iter().map(|(_, l)| (((l - max) / 0.8) as f64).exp()).collect();
+        let weights: Vec<f64> = top
+            .iter()
+            .map(|(_, l)| (((l - max) / 0.8) as f64).exp())
+            .collect();
         let sum: f64 = weights.iter().sum();
         rng ^= rng << 13;
         rng ^= rng >> 7;
@@ -538,7 +628,10 @@ pub fn generate<B: AutodiffBackend>(
 }
 
 fn named_map(items: Vec<(String, Vec<usize>, Vec<f32>)>) -> Result<TensorMap> {
-    items.into_iter().map(|(n, shape, data)| Ok((n, HostTensor::new(shape, data)?))).collect()
+    items
+        .into_iter()
+        .map(|(n, shape, data)| Ok((n, HostTensor::new(shape, data)?)))
+        .collect()
 }
 
 fn load_checked(dir: &Path, config: &LlamaConfig) -> Result<TensorMap> {
@@ -548,16 +641,23 @@ fn load_checked(dir: &Path, config: &LlamaConfig) -> Result<TensorMap> {
 }
 
 fn map_init<'a>(tensors: &'a TensorMap, path: &'a Path) -> Box<ParamInit<'a>> {
-    Box::new(move |name: &str, _shape: &[usize], range: std::ops::Range<usize>| {
-        let t = tensors
-            .get(name)
-            .ok_or_else(|| LlamaError::checkpoint(path, format!("tensor {name} is missing")))?;
-        Ok(t.data[range].to_vec())
-    })
+    Box::new(
+        move |name: &str, _shape: &[usize], range: std::ops::Range<usize>| {
+            let t = tensors
+                .get(name)
+                .ok_or_else(|| LlamaError::checkpoint(path, format!("tensor {name} is missing")))?;
+            Ok(t.data[range].to_vec())
+        },
+    )
 }
 
 /// Exports the model as a Hugging Face directory (bf16 by default). Collective; rank 0 writes.
-pub fn export_hf<B: AutodiffBackend>(model: &ShardedLlama<B>, prepared: &Prepared, dir: &Path, lead: bool) -> Result<()> {
+pub fn export_hf<B: AutodiffBackend>(
+    model: &ShardedLlama<B>,
+    prepared: &Prepared,
+    dir: &Path,
+    lead: bool,
+) -> Result<()> {
     let weights = named_map(model.gather_named(StateKind::Weights)?)?;
     if !lead {
         return Ok(());
@@ -574,7 +674,12 @@ pub fn export_hf<B: AutodiffBackend>(model: &ShardedLlama<B>, prepared: &Prepare
 
 fn tempdir_in(parent: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(parent).map_err(|e| LlamaError::io(parent, e))?;
-    let dir = parent.join(format!(".smp-tmp-{}-{:?}", std::process::id(), std::thread::current().id()))
+    let dir = parent
+        .join(format!(
+            ".smp-tmp-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ))
         .to_path_buf();
     let dir = PathBuf::from(dir.to_string_lossy().replace(['(', ')'], ""));
     std::fs::create_dir_all(&dir).map_err(|e| LlamaError::io(&dir, e))?;
@@ -598,7 +703,8 @@ impl TrainerState {
     fn read(dir: &Path) -> Result<Self> {
         let path = dir.join("trainer_state.json");
         let text = std::fs::read_to_string(&path).map_err(|e| LlamaError::io(&path, e))?;
-        serde_json::from_str(&text).map_err(|e| LlamaError::checkpoint(&path, format!("unreadable: {e}")))
+        serde_json::from_str(&text)
+            .map_err(|e| LlamaError::checkpoint(&path, format!("unreadable: {e}")))
     }
 }
 
@@ -609,7 +715,10 @@ pub fn latest_checkpoint(out_dir: &Path) -> Result<Option<PathBuf>> {
         Ok(name) => {
             let dir = out_dir.join("checkpoints").join(name.trim());
             if !dir.join("trainer_state.json").exists() {
-                return Err(LlamaError::checkpoint(&dir, "named by 'latest' but incomplete or missing"));
+                return Err(LlamaError::checkpoint(
+                    &dir,
+                    "named by 'latest' but incomplete or missing",
+                ));
             }
             Ok(Some(dir))
         }
@@ -643,14 +752,43 @@ pub fn save_checkpoint<B: AutodiffBackend>(
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| LlamaError::io(&tmp, e))?;
     let f32_shards = 4 << 30;
-    hf::save_hf_dir(tmp.join("model"), &prepared.model, &weights, SaveDType::F32, f32_shards, None)?;
-    hf::save_hf_dir(tmp.join("optimizer/exp_avg"), &prepared.model, &m1, SaveDType::F32, f32_shards, None)?;
-    hf::save_hf_dir(tmp.join("optimizer/exp_avg_sq"), &prepared.model, &m2, SaveDType::F32, f32_shards, None)?;
+    hf::save_hf_dir(
+        tmp.join("model"),
+        &prepared.model,
+        &weights,
+        SaveDType::F32,
+        f32_shards,
+        None,
+    )?;
+    hf::save_hf_dir(
+        tmp.join("optimizer/exp_avg"),
+        &prepared.model,
+        &m1,
+        SaveDType::F32,
+        f32_shards,
+        None,
+    )?;
+    hf::save_hf_dir(
+        tmp.join("optimizer/exp_avg_sq"),
+        &prepared.model,
+        &m2,
+        SaveDType::F32,
+        f32_shards,
+        None,
+    )?;
     prepared.tokenizer.save(tmp.join("tokenizer.json"))?;
-    let state = TrainerState { step, data_position: position, model: prepared.model.clone(), train: prepared.config.clone() };
+    let state = TrainerState {
+        step,
+        data_position: position,
+        model: prepared.model.clone(),
+        train: prepared.config.clone(),
+    };
     let state_path = tmp.join("trainer_state.json");
-    std::fs::write(&state_path, serde_json::to_string_pretty(&state).expect("serializable"))
-        .map_err(|e| LlamaError::io(&state_path, e))?;
+    std::fs::write(
+        &state_path,
+        serde_json::to_string_pretty(&state).expect("serializable"),
+    )
+    .map_err(|e| LlamaError::io(&state_path, e))?;
     let dest = root.join(&name);
     if dest.exists() {
         std::fs::remove_dir_all(&dest).map_err(|e| LlamaError::io(&dest, e))?;
@@ -658,7 +796,8 @@ pub fn save_checkpoint<B: AutodiffBackend>(
     std::fs::rename(&tmp, &dest).map_err(|e| LlamaError::io(&dest, e))?;
     let latest_tmp = root.join(".latest.partial");
     std::fs::write(&latest_tmp, &name).map_err(|e| LlamaError::io(&latest_tmp, e))?;
-    std::fs::rename(&latest_tmp, root.join("latest")).map_err(|e| LlamaError::io(root.join("latest"), e))?;
+    std::fs::rename(&latest_tmp, root.join("latest"))
+        .map_err(|e| LlamaError::io(root.join("latest"), e))?;
     Ok(())
 }
 

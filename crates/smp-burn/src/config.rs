@@ -97,12 +97,21 @@ impl ParallelDims {
                 )));
             }
         };
-        Ok(Self { world, replicate: dp / shard, shard, tensor: tp })
+        Ok(Self {
+            world,
+            replicate: dp / shard,
+            shard,
+            tensor: tp,
+        })
     }
 
     /// The mesh axes, outermost first, in the form `collectives::DeviceMesh::new` takes.
     pub fn mesh_axes(&self) -> [(&'static str, usize); 3] {
-        [("replicate", self.replicate), ("shard", self.shard), ("tensor", self.tensor)]
+        [
+            ("replicate", self.replicate),
+            ("shard", self.shard),
+            ("tensor", self.tensor),
+        ]
     }
 }
 
@@ -111,7 +120,11 @@ mod tests {
     use super::*;
 
     fn cfg(sdp: usize, tp: usize) -> ParallelConfig {
-        ParallelConfig { hybrid_shard_degree: sdp, tensor_parallel_degree: tp, ..Default::default() }
+        ParallelConfig {
+            hybrid_shard_degree: sdp,
+            tensor_parallel_degree: tp,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -127,8 +140,14 @@ mod tests {
     #[test]
     fn degrees_that_do_not_divide_are_named() {
         let e = ParallelDims::new(&cfg(3, 1), 8).unwrap_err().to_string();
-        assert!(e.contains("hybrid_shard_degree 3") && e.contains("8"), "{e}");
+        assert!(
+            e.contains("hybrid_shard_degree 3") && e.contains("8"),
+            "{e}"
+        );
         let e = ParallelDims::new(&cfg(0, 3), 8).unwrap_err().to_string();
-        assert!(e.contains("tensor_parallel_degree 3") && e.contains("world size 8"), "{e}");
+        assert!(
+            e.contains("tensor_parallel_degree 3") && e.contains("world size 8"),
+            "{e}"
+        );
     }
 }

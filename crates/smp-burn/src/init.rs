@@ -28,7 +28,9 @@ fn splitmix64(mut z: u64) -> u64 {
 
 /// A stable 64-bit key for a parameter name (FNV-1a), independent of Rust's randomized hasher.
 fn name_key(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 /// Uniform in (0, 1], from the top 24 bits so the result is exact in f32.
@@ -76,7 +78,13 @@ mod tests {
         let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32;
         assert!(mean.abs() < 2e-4, "mean {mean}");
         assert!((var.sqrt() - 0.02).abs() < 2e-4, "std {}", var.sqrt());
-        assert_ne!(init_values(1, "w", rule, 0..8), init_values(1, "v", rule, 0..8));
-        assert_ne!(init_values(1, "w", rule, 0..8), init_values(2, "w", rule, 0..8));
+        assert_ne!(
+            init_values(1, "w", rule, 0..8),
+            init_values(1, "v", rule, 0..8)
+        );
+        assert_ne!(
+            init_values(1, "w", rule, 0..8),
+            init_values(2, "w", rule, 0..8)
+        );
     }
 }

@@ -99,8 +99,10 @@ pub fn causal_attention<B: Backend>(
     // (-1e30 underflows to 0 in exp) so no row is ever all -inf.
     let device = scores.device();
     let idx = Tensor::<B, 1, Int>::arange(0..seq as i64, &device);
-    let future: Tensor<B, 2, Bool> =
-        idx.clone().unsqueeze_dim::<2>(0).greater(idx.unsqueeze_dim::<2>(1));
+    let future: Tensor<B, 2, Bool> = idx
+        .clone()
+        .unsqueeze_dim::<2>(0)
+        .greater(idx.unsqueeze_dim::<2>(1));
     let bias = Tensor::<B, 2>::zeros([seq, seq], &device).mask_fill(future, -1e30);
     let scores = scores + bias.cast(DType::F32).unsqueeze::<4>();
     softmax(scores, 3).cast(dtype).matmul(v)
