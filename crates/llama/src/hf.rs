@@ -185,6 +185,19 @@ pub fn read_hf_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     {
         return unsupported(format!("hidden_act \"{act}\" is not supported (SiLU only)"));
     }
+    // transformers 5 writes `rope_parameters: {rope_type, rope_theta}` instead of `rope_theta`.
+    let mut rope_theta_v5 = None;
+    if let Some(rp) = value.get("rope_parameters").filter(|v| !v.is_null()) {
+        match rp.get("rope_type").and_then(|v| v.as_str()) {
+            Some("default") | None => {}
+            Some(other) => {
+                return unsupported(format!(
+                    "rope_parameters.rope_type \"{other}\" is not supported (plain RoPE only)"
+                ));
+            }
+        }
+        rope_theta_v5 = rp.get("rope_theta").and_then(|v| v.as_f64());
+    }
     let hf: HfLlamaConfig = serde_json::from_value(value.clone())
         .map_err(|e| LlamaError::checkpoint(&path, format!("not a Llama config: {e}")))?;
     let cfg = LlamaConfig {
@@ -196,7 +209,7 @@ pub fn read_hf_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
         num_key_value_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
         max_position_embeddings: hf.max_position_embeddings.unwrap_or(2048),
         rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
-        rope_theta: hf.rope_theta.unwrap_or(10000.0),
+        rope_theta: hf.rope_theta.or(rope_theta_v5).unwrap_or(10000.0),
         tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
     };
     cfg.validate()

@@ -67,6 +67,8 @@ pub struct TrainConfig {
     pub out_dir: PathBuf,
     /// Save a checkpoint every this many steps (and at the end); 0 = only at the end.
     pub checkpoint_interval: u64,
+    /// Write checkpoints at all (off for throughput benchmarks of large models).
+    pub checkpoints: bool,
     /// Continue from the latest checkpoint in `out_dir`.
     pub resume: bool,
     /// Start from a Hugging Face Llama directory's weights (and its config.json).
@@ -108,6 +110,7 @@ impl Default for TrainConfig {
             eval_batches: 8,
             out_dir: PathBuf::from("runs/llama2"),
             checkpoint_interval: 0,
+            checkpoints: true,
             resume: false,
             init_from_hf: None,
             export_hf: Some(PathBuf::from("runs/llama2/hf")),
@@ -487,7 +490,23 @@ pub fn train_rank<B: AutodiffBackend>(
             ));
             bar.set_position(start_step);
         }
-        let save = start_step == cfg.steps
+        if bar.is_none() && lead {
+            tracing::info!(
+                "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms | {tokens_per_sec:.0} tok/s | {tflops:.1} TFLOP/s/device{} | grad norm {:.3} | comm wait {:.1} ms{}",
+                cfg.steps,
+                val_loss.map(|v| format!(" val {v:.4}")).unwrap_or_default(),
+                dt * 1e3,
+                peak_flops
+                    .map(|p| format!(" | MFU {:.1}%", 100.0 * tflops * 1e12 / p))
+                    .unwrap_or_default(),
+                stats.grad_norm,
+                stats.comm.wait.as_secs_f64() * 1e3,
+                memory_in_use()
+                    .map(|b| format!(" | mem {:.1} GiB", b as f64 / (1u64 << 30) as f64))
+                    .unwrap_or_default(),
+            );
+        }
+        let save = cfg.checkpoints && start_step == cfg.steps
             || (cfg.checkpoint_interval > 0 && start_step % cfg.checkpoint_interval == 0);
         if save {
             save_checkpoint(&model, prepared, start_step, position, lead)?;

@@ -619,9 +619,10 @@ pub fn clip_factor<IB: Backend>(
     ctx: &FsdpContext<IB>,
 ) -> Result<(Tensor<IB, 1>, f64), SmpError> {
     let local = Tensor::cat(sq_sums, 0).sum();
+    // The rank's own device, not the backend default: on GPU rank 1 the default is cuda:0.
+    let device = local.device();
     let total = ctx.sum_over_shards(local)?;
     let norm = total.into_scalar().to_f64_lossy().sqrt();
-    let device = Default::default();
     let scale = match max_norm {
         Some(max) if norm > max => max / (norm + 1e-6),
         _ => 1.0,
