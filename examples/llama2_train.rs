@@ -100,6 +100,9 @@ struct Cli {
     /// Recompute each block in the backward pass instead of storing its activations.
     #[arg(long)]
     activation_checkpointing: Option<bool>,
+    /// Compute dtype on CUDA: `bf16` (default; fp32 master weights) or `f32`.
+    #[arg(long)]
+    param_dtype: Option<String>,
     /// Hide the progress bar.
     #[arg(long)]
     no_progress: bool,
@@ -161,7 +164,11 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
         c.parallel.activation_checkpointing = a;
     }
     if cli.device == "cuda" {
-        c.parallel.param_dtype = Precision::Bf16;
+        c.parallel.param_dtype = match cli.param_dtype.as_deref() {
+            None | Some("bf16") => Precision::Bf16,
+            Some("f32") => Precision::F32,
+            Some(other) => return Err(format!("--param-dtype {other}: use bf16 or f32").into()),
+        };
         // Without a flash-attention kernel every layer keeps its S x S scores: at S=4096 the
         // 1.2B model's 22 layers need more than an H200 holds. Recompute instead.
         if cli.activation_checkpointing.is_none() && cli.config.is_none() {

@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Int, Tensor, backend::AutodiffBackend, backend::Backend};
+use burn::tensor::{Int, Tensor, backend::AutodiffBackend};
 use smp_burn::fsdp::{
     AdamW, CommStats, FlatParam, FsdpContext, ShardedUnit, StateKind, clip_factor,
 };
@@ -386,6 +386,3 @@ pub fn seeded_init(seed: u64) -> impl Fn(&str, &[usize], Range<usize>) -> Result
         ))
     }
 }
-
-#[allow(dead_code)]
-fn _assert_backend<B: Backend>() {}

@@ -492,10 +492,11 @@ pub fn train_rank<B: AutodiffBackend>(
         }
         if bar.is_none() && lead {
             tracing::info!(
-                "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms | {tokens_per_sec:.0} tok/s | {tflops:.1} TFLOP/s/device{} | grad norm {:.3} | comm wait {:.1} ms{}",
+                "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms | {tokens_per_sec:.0} tok/s | {:.1} GFLOP/s/device{} | grad norm {:.3} | comm wait {:.1} ms{}",
                 cfg.steps,
                 val_loss.map(|v| format!(" val {v:.4}")).unwrap_or_default(),
                 dt * 1e3,
+                tflops * 1e3,
                 peak_flops
                     .map(|p| format!(" | MFU {:.1}%", 100.0 * tflops * 1e12 / p))
                     .unwrap_or_default(),
@@ -596,7 +597,6 @@ pub fn generate<B: AutodiffBackend>(
         .into_iter()
         .map(i64::from)
         .collect();
-    let prompt_len = ids.len();
     let window = prepared.config.seq_len;
     let mut rng = 0x0005_DEEC_E66D_u64 ^ prepared.config.seed;
     for _ in 0..tokens {
@@ -642,7 +642,6 @@ pub fn generate<B: AutodiffBackend>(
     }
     let generated: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
     let text = prepared.tokenizer.decode(&generated)?;
-    let _ = prompt_len;
     Ok(text)
 }
 
@@ -682,27 +681,18 @@ pub fn export_hf<B: AutodiffBackend>(
         return Ok(());
     }
     let dtype: SaveDType = prepared.config.export_dtype.parse()?;
-    let tmp = tempdir_in(dir.parent().unwrap_or(Path::new(".")))?;
-    let tok = tmp.join("tokenizer.json");
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| LlamaError::io(parent, e))?;
+    // The tokenizer is staged beside the export (same file system) and removed with `tmp`.
+    let tmp = tempfile::Builder::new()
+        .prefix(".smp-export-")
+        .tempdir_in(parent)
+        .map_err(|e| LlamaError::io(parent, e))?;
+    let tok = tmp.path().join("tokenizer.json");
     prepared.tokenizer.save(&tok)?;
     hf::save_hf_dir(dir, &prepared.model, &weights, dtype, 2 << 30, Some(&tok))?;
-    let _ = std::fs::remove_dir_all(&tmp);
     tracing::info!("exported a Hugging Face checkpoint to {}", dir.display());
     Ok(())
-}
-
-fn tempdir_in(parent: &Path) -> Result<PathBuf> {
-    std::fs::create_dir_all(parent).map_err(|e| LlamaError::io(parent, e))?;
-    let dir = parent
-        .join(format!(
-            ".smp-tmp-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ))
-        .to_path_buf();
-    let dir = PathBuf::from(dir.to_string_lossy().replace(['(', ')'], ""));
-    std::fs::create_dir_all(&dir).map_err(|e| LlamaError::io(&dir, e))?;
-    Ok(dir)
 }
 
 /// What besides tensors a checkpoint records.
