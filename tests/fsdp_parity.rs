@@ -12,7 +12,7 @@
 use collectives::{CommOptions, run_on_threads};
 use llama::LlamaConfig;
 use smp_burn::ParallelConfig;
-use smp_burn_tests::{RunResult, max_param_rel_diff, train_rank};
+use smp_burn_tests::{RunResult, assert_matches, train_rank};
 
 const STEPS: usize = 3;
 const GLOBAL_BATCH: usize = 12;
@@ -34,26 +34,6 @@ fn run(world: usize, parallel: ParallelConfig, micro_batches: usize) -> Vec<RunR
             micro_batches,
         )
     })
-}
-
-fn assert_matches(reference: &RunResult, got: &RunResult, what: &str) {
-    for (step, (a, b)) in reference.losses.iter().zip(&got.losses).enumerate() {
-        assert!(
-            (a - b).abs() <= 2e-5 * a.abs(),
-            "{what}: step {step} loss {b} vs 1-rank {a}"
-        );
-    }
-    for (a, b) in reference.grad_norms.iter().zip(&got.grad_norms) {
-        assert!(
-            (a - b).abs() <= 1e-3 * a.abs(),
-            "{what}: grad norm {b} vs 1-rank {a}"
-        );
-    }
-    let diff = max_param_rel_diff(reference, got);
-    assert!(
-        diff < 1e-3,
-        "{what}: parameters differ from 1-rank by {diff:.2e} (relative)"
-    );
 }
 
 fn parallel(sdp: usize, checkpointing: bool) -> ParallelConfig {

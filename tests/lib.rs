@@ -148,3 +148,28 @@ pub fn max_param_rel_diff(a: &RunResult, b: &RunResult) -> f64 {
         })
         .fold(0.0, f64::max)
 }
+
+/// Asserts that `got` trained like the 1-rank `reference`: per-step losses within 2e-5
+/// relative, gradient norms within 1e-3 relative, and every parameter within 1e-3 of its
+/// tensor's largest magnitude. `fsdp_parity.rs` explains these tolerances (f32 sums in another
+/// order; a real sharding bug moves the results by orders of magnitude more).
+pub fn assert_matches(reference: &RunResult, got: &RunResult, what: &str) {
+    assert_eq!(reference.losses.len(), got.losses.len(), "{what}: steps");
+    for (step, (a, b)) in reference.losses.iter().zip(&got.losses).enumerate() {
+        assert!(
+            (a - b).abs() <= 2e-5 * a.abs(),
+            "{what}: step {step} loss {b} vs 1-rank {a}"
+        );
+    }
+    for (a, b) in reference.grad_norms.iter().zip(&got.grad_norms) {
+        assert!(
+            (a - b).abs() <= 1e-3 * a.abs(),
+            "{what}: grad norm {b} vs 1-rank {a}"
+        );
+    }
+    let diff = max_param_rel_diff(reference, got);
+    assert!(
+        diff < 1e-3,
+        "{what}: parameters differ from 1-rank by {diff:.2e} (relative)"
+    );
+}
