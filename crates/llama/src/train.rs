@@ -95,7 +95,7 @@ impl Default for TrainConfig {
             seq_len: 128,
             micro_batch: 16,
             global_batch_tokens: 0,
-            steps: 600,
+            steps: 400,
             lr: 3e-3,
             min_lr: 3e-4,
             warmup_steps: 30,
