@@ -303,7 +303,8 @@ fn run(cli: Cli) -> Result<(), DynError> {
     tracing::info!("preparing data and tokenizer ({})", config.data);
     let prepared = train::prepare(config)?;
     let opts = CommOptions::from_env()?;
-    let results: Vec<Result<Summary, String>> = if launched {
+    // (global rank, outcome) of every rank this process ran.
+    let (first_rank, results): (usize, Vec<Result<Summary, String>>) = if launched {
         let rdv = RendezvousConfig::from_env()?;
         let world = collectives::init_tcp(&rdv, opts)?;
         let out = if cuda {
@@ -311,13 +312,13 @@ fn run(cli: Cli) -> Result<(), DynError> {
         } else {
             run_cpu_rank(world, &prepared)
         };
-        vec![out.map_err(|e| e.to_string())]
+        (rdv.rank, vec![out.map_err(|e| e.to_string())])
     } else {
         let n = cli.nproc_per_node.unwrap_or(if cuda { gpus } else { 1 });
         if cuda && n > gpus {
             return Err(format!("--nproc-per-node {n} but only {gpus} GPU(s) are visible").into());
         }
-        run_on_threads(n, opts, |world| {
+        let results = run_on_threads(n, opts, |world| {
             let rank = world.rank();
             let out = if cuda {
                 run_cuda_rank(world, &prepared, rank)
@@ -325,12 +326,13 @@ fn run(cli: Cli) -> Result<(), DynError> {
                 run_cpu_rank(world, &prepared)
             };
             out.map_err(|e| e.to_string())
-        })
+        });
+        (0, results)
     };
     let mut first_error = None;
     for (i, r) in results.iter().enumerate() {
         if let Err(e) = r {
-            eprintln!("rank {i} failed: {e}");
+            eprintln!("rank {} failed: {e}", first_rank + i);
             first_error.get_or_insert(e.clone());
         }
     }
@@ -338,10 +340,7 @@ fn run(cli: Cli) -> Result<(), DynError> {
         return Err(e.into());
     }
     if let Some(Ok(s)) = results.first() {
-        let is_lead = !launched
-            || RendezvousConfig::from_env()
-                .map(|r| r.rank == 0)
-                .unwrap_or(true);
+        let is_lead = first_rank == 0;
         if is_lead {
             print_summary(s, &prepared);
         }
