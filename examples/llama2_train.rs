@@ -30,7 +30,7 @@ struct Cli {
     /// Write the effective configuration to this TOML file and exit.
     #[arg(long)]
     write_config: Option<PathBuf>,
-    /// `cpu` (NdArray backend, f32) or `cuda` (Burn's CUDA backend, bf16 compute, fp32 master weights).
+    /// `cpu` (NdArray backend, f32) or `cuda` (Burn's CUDA backend; see `--param-dtype`).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Ranks to run in this process: CPU thread-ranks, or GPUs (default: every visible GPU).
@@ -100,7 +100,8 @@ struct Cli {
     /// Recompute each block in the backward pass instead of storing its activations.
     #[arg(long)]
     activation_checkpointing: Option<bool>,
-    /// Compute dtype on CUDA: `bf16` (default; fp32 master weights) or `f32`.
+    /// Compute dtype on CUDA: `f32` (default) or `bf16` (fp32 master weights; crashes in Burn 0.21's
+    /// fusion compiler today).
     #[arg(long)]
     param_dtype: Option<String>,
     /// Hide the progress bar.
@@ -164,9 +165,11 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
         c.parallel.activation_checkpointing = a;
     }
     if cli.device == "cuda" {
+        // f32 by default until bf16 runs: Burn 0.21's fusion compiler panics on the
+        // mixed-dtype graph (bf16 parameters gathered from f32 masters); docs/performance.md.
         c.parallel.param_dtype = match cli.param_dtype.as_deref() {
-            None | Some("bf16") => Precision::Bf16,
-            Some("f32") => Precision::F32,
+            Some("bf16") => Precision::Bf16,
+            None | Some("f32") => Precision::F32,
             Some(other) => return Err(format!("--param-dtype {other}: use bf16 or f32").into()),
         };
         // Without a flash-attention kernel every layer keeps its S x S scores: at S=4096 the
