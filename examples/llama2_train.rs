@@ -303,6 +303,16 @@ fn run(cli: Cli) -> Result<(), DynError> {
     if cuda && gpus == 0 {
         return Err("--device cuda: no CUDA device found (is the NVIDIA driver loaded?)".into());
     }
+    if cuda {
+        match smp_burn::cuda::configure_kernel_cache() {
+            Ok(dir) => tracing::info!(
+                "CUDA kernels are compiled on first use (a minute or more on a fresh machine, \
+                 the first step waits for it); cached in {}",
+                dir.display()
+            ),
+            Err(file) => tracing::info!("CubeCL configuration from {}", file.display()),
+        }
+    }
     tracing::info!("preparing data and tokenizer ({})", config.data);
     let prepared = train::prepare(config)?;
     let opts = CommOptions::from_env()?;

@@ -18,6 +18,9 @@
 //! Nothing here touches CUDA until a caller asks for it: [`cuda_device_count`] returns 0 on a
 //! machine without libcuda, and the rest is only reached with CUDA tensors in hand.
 
+mod kernel_cache;
+pub use kernel_cache::{configure_kernel_cache, kernel_cache_dir, user_cubecl_config};
+
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
