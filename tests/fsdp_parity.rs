@@ -95,3 +95,28 @@ fn each_rank_holds_a_quarter_of_the_state() {
         );
     }
 }
+
+/// Delayed initialization: each rank creates only its own chunk, yet the gathered model is
+/// bitwise the model one rank creates from the same seed (no training step involved).
+#[test]
+fn sharded_init_equals_unsharded_init() {
+    let config = LlamaConfig::preset("tiny").unwrap();
+    let opts = CommOptions {
+        timeout: std::time::Duration::from_secs(60),
+    };
+    let init = |world: usize, sdp: usize| {
+        let p = parallel(sdp, true);
+        run_on_threads(world, opts.clone(), |comm| {
+            train_rank(comm, &p, &config, 0, GLOBAL_BATCH, SEQ, 1)
+        })
+    };
+    let reference = init(1, 0).remove(0);
+    for (world, sdp) in [(3, 0), (4, 2)] {
+        for r in init(world, sdp) {
+            assert_eq!(
+                r.params, reference.params,
+                "{world} ranks, sdp {sdp}: initial weights differ"
+            );
+        }
+    }
+}
