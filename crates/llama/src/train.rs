@@ -389,11 +389,12 @@ pub fn train_rank<B: AutodiffBackend>(
             prepared.dataset.train_windows(),
             prepared.dataset.val_windows(),
         );
-        tracing::info!(
-            "state held by rank 0 (weights, gradients, AdamW): {:.1} MB",
-            model.state_bytes() as f64 / 1e6
-        );
     }
+    // Every rank reports its own share: with sharding it is 1/shard-degree of the whole.
+    tracing::info!(
+        "rank {rank}: fp32 weights, gradients and AdamW state held: {:.1} MB",
+        model.state_bytes() as f64 / 1e6
+    );
 
     let bar = (lead && cfg.progress).then(|| {
         let bar = indicatif::ProgressBar::new(cfg.steps);
