@@ -66,22 +66,8 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
             ));
         }
         let inner_device = device.clone();
-        // Errors from `init` cannot cross ShardedUnit's infallible closure; keep the first.
         let failure = std::cell::RefCell::new(None);
-        let unit_init = |kind: UnitKind| {
-            let failure = &failure;
-            move |p: &FlatParam, range: Range<usize>| match init(
-                &hf_name(kind, &p.name),
-                &p.shape,
-                range.clone(),
-            ) {
-                Ok(v) => v,
-                Err(e) => {
-                    failure.borrow_mut().get_or_insert(e);
-                    vec![0.0; range.len()]
-                }
-            }
-        };
+        let unit_init = |kind: UnitKind| unit_initializer(init, kind, &failure);
         let embed = ShardedUnit::new(
             "model.embed_tokens",
             Embedding::template(config, device),
@@ -310,20 +296,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
     /// loads a checkpoint written with any number of ranks.
     pub fn load_state(&mut self, kind: StateKind, init: &ParamInit<'_>) -> Result<()> {
         let failure = std::cell::RefCell::new(None);
-        let unit_init = |unit: UnitKind| {
-            let failure = &failure;
-            move |p: &FlatParam, range: Range<usize>| match init(
-                &hf_name(unit, &p.name),
-                &p.shape,
-                range.clone(),
-            ) {
-                Ok(v) => v,
-                Err(e) => {
-                    failure.borrow_mut().get_or_insert(e);
-                    vec![0.0; range.len()]
-                }
-            }
-        };
+        let unit_init = |unit: UnitKind| unit_initializer(init, unit, &failure);
         self.embed
             .load_state(kind, unit_init(UnitKind::Embedding))?;
         for (i, l) in self.layers.iter_mut().enumerate() {
@@ -371,6 +344,23 @@ trait ElemF64 {
 impl<E: burn::tensor::ElementConversion> ElemF64 for E {
     fn elem_f64(self) -> f64 {
         self.elem::<f64>()
+    }
+}
+
+/// Adapts a model-level [`ParamInit`] to one unit's infallible initializer: the first error is
+/// kept in `failure` (and zeros returned) because `ShardedUnit` takes a plain closure; the
+/// caller reports it once every unit is built.
+fn unit_initializer<'a>(
+    init: &'a ParamInit<'_>,
+    kind: UnitKind,
+    failure: &'a std::cell::RefCell<Option<crate::LlamaError>>,
+) -> impl Fn(&FlatParam, Range<usize>) -> Vec<f32> + 'a {
+    move |p, range| match init(&hf_name(kind, &p.name), &p.shape, range.clone()) {
+        Ok(v) => v,
+        Err(e) => {
+            failure.borrow_mut().get_or_insert(e);
+            vec![0.0; range.len()]
+        }
     }
 }
 
