@@ -313,6 +313,17 @@ fn run(cli: Cli) -> Result<(), DynError> {
             Err(file) => tracing::info!("CubeCL configuration from {}", file.display()),
         }
     }
+    // Check the layout against the world size before minutes of tokenizing.
+    let world = if launched {
+        RendezvousConfig::from_env()?.world_size
+    } else {
+        cli.nproc_per_node.unwrap_or(if cuda { gpus } else { 1 })
+    };
+    ParallelDims::new(&config.parallel, world)?;
+    train::accumulation_steps(
+        &config,
+        world / config.parallel.tensor_parallel_degree.max(1),
+    )?;
     tracing::info!("preparing data and tokenizer ({})", config.data);
     let prepared = train::prepare(config)?;
     let opts = CommOptions::from_env()?;
