@@ -407,6 +407,14 @@ pub fn train_rank<B: AutodiffBackend>(
         bar.set_position(start_step);
         bar
     });
+    // indicatif draws nothing when stderr is not a terminal (logs, CI, `| tee`): fall back to
+    // log lines then, about 40 per run unless progress was turned off explicitly (every step).
+    let bar = bar.filter(|b| !b.is_hidden());
+    let log_every = if cfg.progress {
+        (cfg.steps / 40).max(1)
+    } else {
+        1
+    };
 
     let mut train_curve = Vec::new();
     let mut val_curve = Vec::new();
@@ -491,7 +499,8 @@ pub fn train_rank<B: AutodiffBackend>(
             ));
             bar.set_position(start_step);
         }
-        if bar.is_none() && lead {
+        let eval_step = val_loss.is_some();
+        if bar.is_none() && lead && (start_step % log_every == 0 || eval_step) {
             tracing::info!(
                 "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms | {tokens_per_sec:.0} tok/s | {:.1} GFLOP/s/device{} | grad norm {:.3} | comm wait {:.1} ms{}",
                 cfg.steps,
