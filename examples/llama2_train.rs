@@ -16,9 +16,8 @@ use std::sync::Arc;
 
 use burn::backend::{Autodiff, Cuda, NdArray};
 use clap::Parser;
-use collectives::{CommOptions, Communicator, DeviceMesh, RendezvousConfig, run_on_threads};
+use collectives::{CommOptions, Communicator, RendezvousConfig, run_on_threads};
 use llama::train::{self, H100_PEAK_FLOPS, Prepared, RankGroups, Summary, TrainConfig};
-use smp_burn::fsdp::FsdpContext;
 use smp_burn::{HostTensorComm, ParallelDims, Precision, TensorComm};
 
 #[derive(Parser, Debug)]
@@ -189,30 +188,11 @@ fn peak_rss() -> Option<u64> {
     Some(kb * 1024)
 }
 
-fn axis_groups(
-    world: Arc<dyn Communicator>,
-    prepared: &Prepared,
-) -> Result<(DeviceMesh, ParallelDims), Box<dyn std::error::Error + Send + Sync>> {
-    let dims = ParallelDims::new(&prepared.config.parallel, world.world_size())?;
-    let mesh = DeviceMesh::new(world, &dims.mesh_axes())?;
-    Ok((mesh, dims))
-}
-
 type DynError = Box<dyn std::error::Error + Send + Sync>;
 
 fn run_cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary, DynError> {
     type B = Autodiff<NdArray<f32>>;
-    let (mesh, dims) = axis_groups(world.clone(), prepared)?;
-    let shard: Arc<dyn TensorComm<NdArray<f32>>> =
-        Arc::new(HostTensorComm::new(mesh.axis("shard")?));
-    let replicate: Arc<dyn TensorComm<NdArray<f32>>> =
-        Arc::new(HostTensorComm::new(mesh.axis("replicate")?));
-    let groups = RankGroups {
-        world: world.clone(),
-        fsdp: FsdpContext::new(shard, Some(replicate), &prepared.config.parallel),
-        dp_rank: world.rank() / dims.tensor,
-        dp_size: world.world_size() / dims.tensor,
-    };
+    let groups = RankGroups::over_host(world, &prepared.config.parallel)?;
     Ok(train::train_rank::<B>(
         prepared,
         groups,
@@ -229,26 +209,15 @@ fn run_cuda_rank(
 ) -> Result<Summary, DynError> {
     type Inner = Cuda<f32, i32>;
     type B = Autodiff<Inner>;
-    let (mesh, dims) = axis_groups(world.clone(), prepared)?;
     let device = burn::backend::cuda::CudaDevice::new(gpu);
-    let comm = |axis: &str| -> Result<Arc<dyn TensorComm<Inner>>, DynError> {
-        let host = mesh.axis(axis)?;
+    let groups = RankGroups::new(world, &prepared.config.parallel, |host| {
+        // A group of one needs no NCCL communicator.
         Ok(if host.world_size() == 1 {
-            Arc::new(HostTensorComm::new(host))
+            Arc::new(HostTensorComm::new(host)) as Arc<dyn TensorComm<Inner>>
         } else {
             Arc::new(smp_burn::cuda::CudaTensorComm::new(host.as_ref(), gpu)?)
         })
-    };
-    let groups = RankGroups {
-        world: world.clone(),
-        fsdp: FsdpContext::new(
-            comm("shard")?,
-            Some(comm("replicate")?),
-            &prepared.config.parallel,
-        ),
-        dp_rank: world.rank() / dims.tensor,
-        dp_size: world.world_size() / dims.tensor,
-    };
+    })?;
     // Device-wide memory in use (the driver's view, so it includes CubeCL's pools and caches);
     // Burn 0.21 exposes no peak-allocation counter.
     let ctx =

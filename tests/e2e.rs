@@ -10,14 +10,13 @@ use std::time::Duration;
 
 use burn::backend::Autodiff;
 use burn_ndarray::NdArray;
-use collectives::{CommOptions, Communicator, DeviceMesh, run_on_threads};
+use collectives::{CommOptions, Communicator, run_on_threads};
 use llama::LlamaConfig;
 use llama::data::{DataSource, load_texts};
 use llama::hf;
 use llama::tokenizer::TextTokenizer;
 use llama::train::{self, Prepared, RankGroups, Summary, TrainConfig};
-use smp_burn::fsdp::{AdamW, FsdpContext};
-use smp_burn::{HostTensorComm, ParallelDims, TensorComm};
+use smp_burn::fsdp::AdamW;
 
 type Cpu = Autodiff<NdArray<f32>>;
 
@@ -83,18 +82,7 @@ impl Fixture {
 
 /// One CPU rank, set up as `llama2_train` sets up its thread-ranks.
 fn cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary, Box<dyn Error>> {
-    let dims = ParallelDims::new(&prepared.config.parallel, world.world_size())?;
-    let mesh = DeviceMesh::new(world.clone(), &dims.mesh_axes())?;
-    let shard: Arc<dyn TensorComm<NdArray<f32>>> =
-        Arc::new(HostTensorComm::new(mesh.axis("shard")?));
-    let replicate: Arc<dyn TensorComm<NdArray<f32>>> =
-        Arc::new(HostTensorComm::new(mesh.axis("replicate")?));
-    let groups = RankGroups {
-        world: world.clone(),
-        fsdp: FsdpContext::new(shard, Some(replicate), &prepared.config.parallel),
-        dp_rank: world.rank() / dims.tensor,
-        dp_size: world.world_size() / dims.tensor,
-    };
+    let groups = RankGroups::over_host(world, &prepared.config.parallel)?;
     Ok(train::train_rank::<Cpu>(
         prepared,
         groups,

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::{Int, Tensor, TensorData, backend::AutodiffBackend};
-use collectives::Communicator;
+use collectives::{Communicator, DeviceMesh};
 use serde::{Deserialize, Serialize};
 use smp_burn::fsdp::{AdamW, FsdpContext, StateKind};
-use smp_burn::{ParallelConfig, ParallelDims};
+use smp_burn::{HostTensorComm, ParallelConfig, ParallelDims, SmpError, TensorComm};
 
 use crate::config::LlamaConfig;
 use crate::data::{Batch, DataPosition, TokenDataset};
@@ -233,6 +233,37 @@ pub struct RankGroups<IB: burn::tensor::backend::Backend> {
     pub dp_rank: usize,
     /// Data-parallel ranks.
     pub dp_size: usize,
+}
+
+impl<IB: burn::tensor::backend::Backend> RankGroups<IB> {
+    /// Lays `world` out as the mesh `parallel` asks for and wraps each axis' host communicator
+    /// with `tensor_comm` (NCCL on GPUs, host memory elsewhere). Collective over `world`.
+    pub fn new(
+        world: Arc<dyn Communicator>,
+        parallel: &ParallelConfig,
+        mut tensor_comm: impl FnMut(
+            Arc<dyn Communicator>,
+        ) -> std::result::Result<Arc<dyn TensorComm<IB>>, SmpError>,
+    ) -> Result<Self> {
+        let dims = ParallelDims::new(parallel, world.world_size())?;
+        let mesh = DeviceMesh::new(world.clone(), &dims.mesh_axes()).map_err(SmpError::from)?;
+        let shard = tensor_comm(mesh.axis("shard").map_err(SmpError::from)?)?;
+        let replicate = tensor_comm(mesh.axis("replicate").map_err(SmpError::from)?)?;
+        Ok(Self {
+            fsdp: FsdpContext::new(shard, Some(replicate), parallel),
+            dp_rank: world.rank() / dims.tensor,
+            dp_size: world.world_size() / dims.tensor,
+            world,
+        })
+    }
+
+    /// [`RankGroups::new`] with every collective through host memory: CPU thread-ranks or
+    /// processes over TCP, on any backend.
+    pub fn over_host(world: Arc<dyn Communicator>, parallel: &ParallelConfig) -> Result<Self> {
+        Self::new(world, parallel, |host| {
+            Ok(Arc::new(HostTensorComm::new(host)))
+        })
+    }
 }
 
 /// What a finished run reports.
