@@ -330,6 +330,29 @@ impl CudaTensorComm {
     /// Orders `f` (which queues NCCL work on the comm stream) after Burn's queued kernels and
     /// before Burn's next ones. The pins in `keep` are released only after the comm -> Burn
     /// wait is queued, so CubeCL cannot reuse the memory while NCCL still uses it.
+    /// The shared path of every collective: checks the device, allocates an output of
+    /// `out_len` elements in the input's dtype, pins both buffers and runs `call(input pointer,
+    /// output pointer, dtype, stream)` ordered with Burn's kernels. Both buffers stay pinned
+    /// until the comm -> Burn wait is queued and live on the communicator's device.
+    fn collective<F: FloatElement, I: IntElement>(
+        &self,
+        op: &str,
+        input: Tensor<Cuda<F, I>, 1>,
+        out_len: usize,
+        call: impl FnOnce(u64, u64, DType, ds::CUstream) -> Result<(), CommError>,
+    ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
+        let device = input.device();
+        self.check_device(op, &device)?;
+        let out = Tensor::empty([out_len], (&device, input.dtype()));
+        if out_len == 0 || input.dims()[0] == 0 {
+            return Ok(out);
+        }
+        let (src, dst) = (pin_tensor(&input)?, pin_tensor(&out)?);
+        let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
+        self.ordered::<F, I>(&device, vec![src, dst], |s| call(sp, dp, dt, s))?;
+        Ok(out)
+    }
+
     fn ordered<F: FloatElement, I: IntElement>(
         &self,
         device: &CudaDevice,
@@ -366,21 +389,12 @@ impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
     }
 
     fn all_gather(&self, shard: Tensor<Cuda<F, I>, 1>) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
-        let device = shard.device();
-        self.check_device("all_gather", &device)?;
         let n = shard.dims()[0];
-        let out = Tensor::empty([n * self.nccl.world_size()], (&device, shard.dtype()));
-        if n == 0 {
-            return Ok(out);
-        }
-        let (src, dst) = (pin_tensor(&shard)?, pin_tensor(&out)?);
-        let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
-        self.ordered::<F, I>(&device, vec![src, dst], |s| {
-            // SAFETY: both buffers are pinned until the comm -> Burn wait is queued, hold n and
-            // n * world elements of `dt`, and live on the communicator's device (checked).
+        let world = self.nccl.world_size();
+        self.collective("all_gather", shard, n * world, |sp, dp, dt, s| {
+            // SAFETY: `collective`'s contract; the buffers hold n and n * world elements.
             unsafe { self.nccl.all_gather(sp, dp, n, dt, s) }
-        })?;
-        Ok(out)
+        })
     }
 
     fn reduce_scatter(
@@ -388,8 +402,6 @@ impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
         full: Tensor<Cuda<F, I>, 1>,
         op: ReduceOp,
     ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
-        let device = full.device();
-        self.check_device("reduce_scatter", &device)?;
         let total = full.dims()[0];
         let world = self.nccl.world_size();
         if !total.is_multiple_of(world) {
@@ -401,17 +413,10 @@ impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
             .into());
         }
         let n = total / world;
-        let out = Tensor::empty([n], (&device, full.dtype()));
-        if n == 0 {
-            return Ok(out);
-        }
-        let (src, dst) = (pin_tensor(&full)?, pin_tensor(&out)?);
-        let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
-        self.ordered::<F, I>(&device, vec![src, dst], |s| {
-            // SAFETY: as in all_gather; `full` holds n * world elements, `out` n.
+        self.collective("reduce_scatter", full, n, |sp, dp, dt, s| {
+            // SAFETY: `collective`'s contract; `full` holds n * world elements, the output n.
             unsafe { self.nccl.reduce_scatter(sp, dp, n, dt, op, s) }
-        })?;
-        Ok(out)
+        })
     }
 
     fn all_reduce(
@@ -419,20 +424,11 @@ impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
         t: Tensor<Cuda<F, I>, 1>,
         op: ReduceOp,
     ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
-        let device = t.device();
-        self.check_device("all_reduce", &device)?;
         let n = t.dims()[0];
-        let out = Tensor::empty([n], (&device, t.dtype()));
-        if n == 0 {
-            return Ok(out);
-        }
-        let (src, dst) = (pin_tensor(&t)?, pin_tensor(&out)?);
-        let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
-        self.ordered::<F, I>(&device, vec![src, dst], |s| {
-            // SAFETY: as in all_gather; both buffers hold n elements.
+        self.collective("all_reduce", t, n, |sp, dp, dt, s| {
+            // SAFETY: `collective`'s contract; both buffers hold n elements.
             unsafe { self.nccl.all_reduce(sp, dp, n, dt, op, s) }
-        })?;
-        Ok(out)
+        })
     }
 
     fn broadcast(
@@ -440,20 +436,11 @@ impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
         t: Tensor<Cuda<F, I>, 1>,
         root: usize,
     ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
-        let device = t.device();
-        self.check_device("broadcast", &device)?;
         let n = t.dims()[0];
-        let out = Tensor::empty([n], (&device, t.dtype()));
-        if n == 0 {
-            return Ok(out);
-        }
-        let (src, dst) = (pin_tensor(&t)?, pin_tensor(&out)?);
-        let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
-        self.ordered::<F, I>(&device, vec![src, dst], |s| {
-            // SAFETY: as in all_gather; both buffers hold n elements.
+        self.collective("broadcast", t, n, |sp, dp, dt, s| {
+            // SAFETY: `collective`'s contract; both buffers hold n elements.
             unsafe { self.nccl.broadcast(sp, dp, n, dt, root, s) }
-        })?;
-        Ok(out)
+        })
     }
 }
 
