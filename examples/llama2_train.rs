@@ -14,7 +14,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use burn::backend::{Autodiff, Cuda, NdArray};
+use burn::backend::{Autodiff, NdArray};
 use clap::Parser;
 use collectives::{CommOptions, Communicator, RendezvousConfig, run_on_threads};
 use llama::train::{self, H100_PEAK_FLOPS, Prepared, RankGroups, Summary, TrainConfig};
@@ -42,6 +42,9 @@ struct Cli {
     /// Tokens per sequence.
     #[arg(long)]
     seq_len: Option<usize>,
+    /// Override the preset's number of decoder layers.
+    #[arg(long)]
+    layers: Option<usize>,
     /// Sequences per rank per micro-batch.
     #[arg(long)]
     micro_batch: Option<usize>,
@@ -99,8 +102,8 @@ struct Cli {
     /// Recompute each block in the backward pass instead of storing its activations.
     #[arg(long)]
     activation_checkpointing: Option<bool>,
-    /// Compute dtype on CUDA: `f32` (default) or `bf16` (fp32 master weights; crashes in Burn 0.21's
-    /// fusion compiler today).
+    /// Compute dtype on CUDA: `bf16` (default; fp32 master weights and optimizer state) or
+    /// `f32`.
     #[arg(long)]
     param_dtype: Option<String>,
     /// Hide the progress bar.
@@ -131,6 +134,9 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
         checkpoint_interval,
         eval_interval
     );
+    if cli.layers.is_some() {
+        c.layers = cli.layers;
+    }
     if cli.tokenizer.is_some() {
         c.tokenizer = cli.tokenizer.clone();
     }
@@ -164,11 +170,9 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
         c.parallel.activation_checkpointing = a;
     }
     if cli.device == "cuda" {
-        // f32 by default until bf16 runs: Burn 0.21's fusion compiler panics on the
-        // mixed-dtype graph (bf16 parameters gathered from f32 masters); docs/performance.md.
         c.parallel.param_dtype = match cli.param_dtype.as_deref() {
-            Some("bf16") => Precision::Bf16,
-            None | Some("f32") => Precision::F32,
+            None | Some("bf16") => Precision::Bf16,
+            Some("f32") => Precision::F32,
             Some(other) => return Err(format!("--param-dtype {other}: use bf16 or f32").into()),
         };
         // Without a flash-attention kernel every layer keeps its S x S scores: at S=4096 the
@@ -207,7 +211,8 @@ fn run_cuda_rank(
     prepared: &Prepared,
     gpu: usize,
 ) -> Result<Summary, DynError> {
-    type Inner = Cuda<f32, i32>;
+    // Plain CubeCL (no fusion): see `smp_burn::cuda::CudaCube` for why.
+    type Inner = smp_burn::cuda::CudaCube;
     type B = Autodiff<Inner>;
     let device = burn::backend::cuda::CudaDevice::new(gpu);
     let groups = RankGroups::new(world, &prepared.config.parallel, |host| {

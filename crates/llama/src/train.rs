@@ -29,6 +29,9 @@ pub const H100_PEAK_FLOPS: f64 = 989.4e12;
 pub struct TrainConfig {
     /// Model preset name (see [`LlamaConfig::preset`]); ignored when `init_from_hf` is set.
     pub model: String,
+    /// Overrides the preset's number of decoder layers (a 70B-wide model with a few layers
+    /// shows per-rank memory and step time of the real widths on fewer GPUs).
+    pub layers: Option<usize>,
     /// Vocabulary size of the tokenizer trained on the corpus (when none is given).
     pub vocab_size: usize,
     /// Tokens per training sequence.
@@ -91,6 +94,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         Self {
             model: "small".into(),
+            layers: None,
             vocab_size: 2048,
             seq_len: 128,
             micro_batch: 16,
@@ -160,6 +164,12 @@ pub fn model_config(cfg: &TrainConfig, tokenizer_vocab: usize) -> Result<LlamaCo
     let mut model = LlamaConfig::preset(&cfg.model)?;
     if matches!(cfg.model.as_str(), "tiny" | "small") {
         model.vocab_size = tokenizer_vocab;
+    }
+    if let Some(layers) = cfg.layers {
+        if layers == 0 {
+            return Err(LlamaError::Config("layers must be at least 1".into()));
+        }
+        model.num_hidden_layers = layers;
     }
     if tokenizer_vocab > model.vocab_size {
         return Err(LlamaError::Config(format!(
@@ -423,8 +433,14 @@ pub fn train_rank<B: AutodiffBackend>(
     }
     // Every rank reports its own share: with sharding it is 1/shard-degree of the whole.
     tracing::info!(
-        "rank {rank}: fp32 weights, gradients and AdamW state held: {:.1} MB",
-        model.state_bytes() as f64 / 1e6
+        "rank {rank}: fp32 weights, gradients and AdamW state held: {:.1} MB{}",
+        model.state_bytes() as f64 / 1e6,
+        memory_in_use()
+            .map(|m| format!(
+                "; memory in use after init: {:.1} GiB",
+                m as f64 / (1u64 << 30) as f64
+            ))
+            .unwrap_or_default()
     );
 
     let bar = (lead && cfg.progress).then(|| {

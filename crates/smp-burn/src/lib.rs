@@ -4,13 +4,15 @@
 //! The parts: [`config`] (an SMP-style [`ParallelConfig`] and the validated mesh shape),
 //! [`comm`] (collectives on Burn tensors), [`fsdp`] (sharded units with fp32 master weights and
 //! AdamW on shards), [`init`] (counter-based initialization so each rank builds only its shard),
-//! [`ops`] (reference transformer ops every fused kernel must match) and [`cuda`] (the bridge to
-//! Burn's CUDA runtime for NCCL).
+//! [`ops`] (reference transformer ops every fused kernel must match), [`fast`] (the switchable
+//! dispatch from those ops to cuBLAS and our kernels on CUDA) and [`cuda`] (the bridge to
+//! Burn's CUDA runtime for NCCL and cuBLAS).
 
 pub mod comm;
 pub mod config;
 pub mod cuda;
 pub mod error;
+pub mod fast;
 pub mod fsdp;
 pub mod init;
 pub mod ops;

@@ -11,8 +11,12 @@ use burn::tensor::{
 };
 
 /// `x @ w^T` for a weight stored as `[out_features, in_features]` (PyTorch's layout), so
-/// Hugging Face weights need no transpose on import or export.
+/// Hugging Face weights need no transpose on import or export. On CUDA this runs through
+/// cuBLAS (see [`crate::fast`]).
 pub fn linear<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 2>) -> Tensor<B, D> {
+    if let Some(y) = crate::fast::linear(&x, &weight) {
+        return y;
+    }
     x.matmul(weight.transpose().unsqueeze())
 }
 

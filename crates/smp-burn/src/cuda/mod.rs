@@ -1,7 +1,7 @@
 //! The bridge between Burn's CUDA runtime and NCCL.
 //!
 //! Three pieces:
-//! - [`pin_tensor`]: resolves a `Tensor<Cuda<F, I>, 1>` (Burn's `Fusion<CubeBackend>`) to the
+//! - [`pin_tensor`]: resolves a `Tensor<B, 1>` (Burn's `Fusion<CubeBackend>`) to the
 //!   CubeCL buffer behind it, pins the allocation (CubeCL cannot reuse it while the guard
 //!   lives) and returns its device pointer and dtype.
 //! - [`StreamBridge`]: orders work on our own communication stream with the kernels Burn
@@ -18,6 +18,7 @@
 //! Nothing here touches CUDA until a caller asks for it: [`cuda_device_count`] returns 0 on a
 //! machine without libcuda, and the rest is only reached with CUDA tensors in hand.
 
+pub mod gemm;
 mod kernel_cache;
 pub use kernel_cache::{configure_kernel_cache, kernel_cache_dir, user_cubecl_config};
 
@@ -37,7 +38,34 @@ use cudarc::driver::{CudaContext, CudaStream, sys as ds};
 use crate::comm::TensorComm;
 use crate::error::SmpError;
 
-type Cube<F, I> = CubeBackend<CudaRuntime, F, I, u8>;
+/// Burn's CubeCL CUDA backend without the fusion layer: the backend smp-burn trains on.
+///
+/// Fusion is left out on purpose: Burn 0.21's fusion code generator panics on the mixed-dtype
+/// chains of bf16 compute with an f32 master (`burn-cubecl-fusion` `codegen/ir.rs:500`), and the
+/// fast paths (cuBLAS GEMMs, flash attention) replace the large ops that fusion would not touch
+/// anyway. Every tensor is a plain CubeCL buffer, so the bridge needs no fusion round trip.
+pub type CudaCube<F = f32, I = i32> = CubeBackend<CudaRuntime, F, I, u8>;
+
+/// Burn backends whose float tensors are CubeCL CUDA buffers underneath: burn-cuda's fused
+/// `Cuda` and the plain [`CudaCube`]. The bridge (NCCL, cuBLAS) works on either.
+pub trait CudaTensors: Backend<Device = CudaDevice> {
+    /// The CubeCL tensor behind a float primitive. With fusion this drains the fusion queue for
+    /// the tensor, so its buffer exists and every kernel writing it has reached CubeCL.
+    fn cube_primitive(t: Self::FloatTensorPrimitive) -> CubeTensor<CudaRuntime>;
+}
+
+impl<F: FloatElement, I: IntElement> CudaTensors for Cuda<F, I> {
+    fn cube_primitive(t: Self::FloatTensorPrimitive) -> CubeTensor<CudaRuntime> {
+        let client = t.client.clone();
+        client.resolve_tensor_float::<CudaCube<F, I>>(t)
+    }
+}
+
+impl<F: FloatElement, I: IntElement> CudaTensors for CudaCube<F, I> {
+    fn cube_primitive(t: Self::FloatTensorPrimitive) -> CubeTensor<CudaRuntime> {
+        t
+    }
+}
 
 /// Number of CUDA devices visible to this process; 0 when libcuda is missing or fails to
 /// initialize (never panics).
@@ -71,21 +99,17 @@ pub fn comm_dtype(d: BurnDType) -> Result<DType, SmpError> {
     })
 }
 
-/// The CubeCL tensor (client, buffer handle, strides, dtype) behind a Burn CUDA tensor.
-///
-/// Resolving drains Burn's fusion queue for this tensor, so its buffer exists and every kernel
-/// writing it has been handed to CubeCL.
-pub fn cube_tensor<F: FloatElement, I: IntElement, const D: usize>(
-    t: &Tensor<Cuda<F, I>, D>,
+/// The CubeCL tensor (client, buffer handle, strides, dtype) behind a Burn CUDA tensor (see
+/// [`CudaTensors::cube_primitive`]).
+pub fn cube_tensor<B: CudaTensors, const D: usize>(
+    t: &Tensor<B, D>,
 ) -> Result<CubeTensor<CudaRuntime>, SmpError> {
-    let ft = match t.clone().into_primitive() {
-        TensorPrimitive::Float(p) => p,
+    match t.clone().into_primitive() {
+        TensorPrimitive::Float(p) => Ok(B::cube_primitive(p)),
         TensorPrimitive::QFloat(_) => {
-            return Err(SmpError::Cuda("quantized tensors are not supported".into()));
+            Err(SmpError::Cuda("quantized tensors are not supported".into()))
         }
-    };
-    let client = ft.client.clone();
-    Ok(client.resolve_tensor_float::<Cube<F, I>>(ft))
+    }
 }
 
 /// A Burn CUDA buffer pinned for foreign use: CubeCL will not hand the memory to another
@@ -112,9 +136,7 @@ impl std::fmt::Debug for PinnedBuffer {
 
 /// Pins a contiguous 1-D Burn CUDA tensor and returns its device pointer (see
 /// [`PinnedBuffer`]). Costs about 10 us (a round trip to CubeCL's server).
-pub fn pin_tensor<F: FloatElement, I: IntElement>(
-    t: &Tensor<Cuda<F, I>, 1>,
-) -> Result<PinnedBuffer, SmpError> {
+pub fn pin_tensor<B: CudaTensors>(t: &Tensor<B, 1>) -> Result<PinnedBuffer, SmpError> {
     let c = cube_tensor(t)?;
     let dtype = comm_dtype(c.dtype)?;
     let len = c.meta.shape().num_elements();
@@ -197,6 +219,11 @@ impl StreamBridge {
     /// The communication stream (raw handle, for NCCL).
     pub fn stream(&self) -> ds::CUstream {
         self.stream.cu_stream()
+    }
+
+    /// The stream itself (cuBLAS binds its handle to it).
+    pub fn cuda_stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     /// The device's primary context.
@@ -334,13 +361,13 @@ impl CudaTensorComm {
     /// `out_len` elements in the input's dtype, pins both buffers and runs `call(input pointer,
     /// output pointer, dtype, stream)` ordered with Burn's kernels. Both buffers stay pinned
     /// until the comm -> Burn wait is queued and live on the communicator's device.
-    fn collective<F: FloatElement, I: IntElement>(
+    fn collective<B: CudaTensors>(
         &self,
         op: &str,
-        input: Tensor<Cuda<F, I>, 1>,
+        input: Tensor<B, 1>,
         out_len: usize,
         call: impl FnOnce(u64, u64, DType, ds::CUstream) -> Result<(), CommError>,
-    ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
+    ) -> Result<Tensor<B, 1>, SmpError> {
         let device = input.device();
         self.check_device(op, &device)?;
         let out = Tensor::empty([out_len], (&device, input.dtype()));
@@ -349,11 +376,11 @@ impl CudaTensorComm {
         }
         let (src, dst) = (pin_tensor(&input)?, pin_tensor(&out)?);
         let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
-        self.ordered::<F, I>(&device, vec![src, dst], |s| call(sp, dp, dt, s))?;
+        self.ordered::<B>(&device, vec![src, dst], |s| call(sp, dp, dt, s))?;
         Ok(out)
     }
 
-    fn ordered<F: FloatElement, I: IntElement>(
+    fn ordered<B: CudaTensors>(
         &self,
         device: &CudaDevice,
         keep: Vec<PinnedBuffer>,
@@ -368,7 +395,7 @@ impl CudaTensorComm {
                 b.comm_to_burn()?;
             }
             Ordering::HostSync => {
-                Cuda::<F, I>::sync(device).map_err(|e| cuda_err("Burn sync", e))?;
+                B::sync(device).map_err(|e| cuda_err("Burn sync", e))?;
                 f(b.stream())?;
                 // SAFETY: as in `synchronize`.
                 unsafe { self.nccl.synchronize(b.stream()) }?;
@@ -379,7 +406,7 @@ impl CudaTensorComm {
     }
 }
 
-impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
+impl<B: CudaTensors> TensorComm<B> for CudaTensorComm {
     fn rank(&self) -> usize {
         self.nccl.rank()
     }
@@ -388,7 +415,7 @@ impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
         self.nccl.world_size()
     }
 
-    fn all_gather(&self, shard: Tensor<Cuda<F, I>, 1>) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
+    fn all_gather(&self, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, SmpError> {
         let n = shard.dims()[0];
         let world = self.nccl.world_size();
         self.collective("all_gather", shard, n * world, |sp, dp, dt, s| {
@@ -397,11 +424,7 @@ impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
         })
     }
 
-    fn reduce_scatter(
-        &self,
-        full: Tensor<Cuda<F, I>, 1>,
-        op: ReduceOp,
-    ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
+    fn reduce_scatter(&self, full: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, SmpError> {
         let total = full.dims()[0];
         let world = self.nccl.world_size();
         if !total.is_multiple_of(world) {
@@ -419,11 +442,7 @@ impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
         })
     }
 
-    fn all_reduce(
-        &self,
-        t: Tensor<Cuda<F, I>, 1>,
-        op: ReduceOp,
-    ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
+    fn all_reduce(&self, t: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, SmpError> {
         let n = t.dims()[0];
         self.collective("all_reduce", t, n, |sp, dp, dt, s| {
             // SAFETY: `collective`'s contract; both buffers hold n elements.
@@ -431,11 +450,7 @@ impl<F: FloatElement, I: IntElement> TensorComm<Cuda<F, I>> for CudaTensorComm {
         })
     }
 
-    fn broadcast(
-        &self,
-        t: Tensor<Cuda<F, I>, 1>,
-        root: usize,
-    ) -> Result<Tensor<Cuda<F, I>, 1>, SmpError> {
+    fn broadcast(&self, t: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>, SmpError> {
         let n = t.dims()[0];
         self.collective("broadcast", t, n, |sp, dp, dt, s| {
             // SAFETY: `collective`'s contract; both buffers hold n elements.

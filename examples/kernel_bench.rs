@@ -1,0 +1,253 @@
+//! Checks and times smp-burn's fast CUDA paths against their references.
+//!
+//! `kernel_bench check`: every fast op against the reference op on fresh random inputs (forward
+//! and gradients), odd shapes included; exits non-zero on a miss.
+//! `kernel_bench gemm`: linear-layer GEMM TFLOP/s at the Llama 1B and 7B shapes, three ways in
+//! one process: our cuBLAS linear on Burn tensors (ordering included), Burn's stock matmul, and
+//! cuBLAS called directly on raw buffers (the goal: ours at least 95 % of direct).
+//! Run `python3 scripts/torch_gemm.py` in the same call for PyTorch's figure at the same shapes.
+
+use std::time::Instant;
+
+use burn::backend::Autodiff;
+use burn::tensor::{DType, Distribution, Tensor, backend::Backend};
+use cudarc::cublas::{CudaBlas, result as cbr, sys as cbs};
+use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
+use half::bf16;
+use smp_burn::cuda::CudaCube;
+use smp_burn::fast::{FastPaths, set_fast_paths};
+use smp_burn::ops;
+
+type B = CudaCube;
+type Ad = Autodiff<B>;
+
+fn device() -> burn_cuda::CudaDevice {
+    burn_cuda::CudaDevice::new(0)
+}
+
+type Cpu = burn::backend::NdArray<f32>;
+
+/// max |a - b| / max |b|, on the host.
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    let scale = b.iter().map(|y| y.abs()).fold(0.0f32, f32::max);
+    diff / scale.max(f32::MIN_POSITIVE)
+}
+
+fn host<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
+    t.cast(DType::F32)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .unwrap()
+}
+
+/// `y = linear(x, w)` and the gradients of `sum(y * r)` on any backend, with x and w in `dtype`.
+fn linear_grads<Bk: Backend>(
+    x: &Tensor<Bk, 3>,
+    w: &Tensor<Bk, 2>,
+    r: &Tensor<Bk, 3>,
+    dtype: DType,
+) -> [Vec<f32>; 3] {
+    let xa = Tensor::<Autodiff<Bk>, 3>::from_inner(x.clone().cast(dtype)).require_grad();
+    let wa = Tensor::<Autodiff<Bk>, 2>::from_inner(w.clone().cast(dtype)).require_grad();
+    let y = ops::linear(xa.clone(), wa.clone());
+    let loss = (y.clone().cast(DType::F32) * Tensor::from_inner(r.clone())).sum();
+    let g = loss.backward();
+    [
+        host(y.inner()),
+        host(xa.grad(&g).expect("dx")),
+        host(wa.grad(&g).expect("dw")),
+    ]
+}
+
+/// Our cuBLAS linear (forward, dx, dw) against the f32 reference on the CPU (NdArray) from the
+/// same rounded inputs. The reference runs on the host because Burn's CUDA matmul computes f32
+/// in TF32 (a 10-bit mantissa: 3e-4 relative error even with one term), which would hide an
+/// f32 error of ours.
+fn check() -> bool {
+    let dev = device();
+    let cpu = Default::default();
+    let mut ok = true;
+    // (batch, rows, in, out): odd sizes, a single element, and Llama-1B shapes.
+    let shapes = [
+        (1, 1, 1, 1),
+        (1, 3, 5, 7),
+        (2, 77, 130, 65),
+        (1, 512, 2048, 2048),
+        (1, 4096, 2048, 5632),
+    ];
+    // bf16: the output is rounded to 8 bits of mantissa (2^-9 relative), so 2e-2 of the
+    // largest value leaves room for accumulated rounding; f32 (strict FP32 accumulation in
+    // cuBLAS): summation order only.
+    for (dtype, tol) in [(DType::BF16, 2e-2f32), (DType::F32, 1e-5)] {
+        for &(b, m, k, n) in &shapes {
+            let x = Tensor::<Cpu, 3>::random([b, m, k], Distribution::Normal(0.0, 1.0), &cpu)
+                .cast(dtype)
+                .cast(DType::F32);
+            let w = Tensor::<Cpu, 2>::random([n, k], Distribution::Normal(0.0, 0.05), &cpu)
+                .cast(dtype)
+                .cast(DType::F32);
+            let r = Tensor::<Cpu, 3>::random([b, m, n], Distribution::Normal(0.0, 1.0), &cpu);
+            let reference = linear_grads(&x, &w, &r, DType::F32);
+            let to_gpu3 = |t: &Tensor<Cpu, 3>| Tensor::<B, 3>::from_data(t.to_data(), &dev);
+            let wg = Tensor::<B, 2>::from_data(w.to_data(), &dev);
+            set_fast_paths(FastPaths::ALL);
+            let ours = linear_grads(&to_gpu3(&x), &wg, &to_gpu3(&r), dtype);
+            let e: Vec<f32> = (0..3).map(|i| rel_err(&ours[i], &reference[i])).collect();
+            let pass = e.iter().all(|&v| v <= tol);
+            ok &= pass;
+            println!(
+                "linear {dtype:?} x[{b},{m},{k}] w[{n},{k}]: rel err y {:.2e} dx {:.2e} dw {:.2e} \
+                 (tolerance {tol:.0e}) {}",
+                e[0],
+                e[1],
+                e[2],
+                if pass { "ok" } else { "FAIL" }
+            );
+        }
+    }
+    ok
+}
+
+/// Median seconds per call of `f` over `iters` calls, each followed by a device sync.
+fn time(iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    B::sync(&device()).unwrap();
+    let t = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    B::sync(&device()).unwrap();
+    t.elapsed().as_secs_f64() / iters as f64
+}
+
+fn gemm() {
+    let dev = device();
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let blas = CudaBlas::new(stream.clone()).unwrap();
+    println!(
+        "{:<28} {:>10} {:>10} {:>10} {:>10} {:>8}",
+        "shape (tokens x in -> out)", "ours fwd", "ours f+b", "burn fwd", "cuBLAS", "ours/cB"
+    );
+    // Llama 1B (hidden 2048, ffn 5632) and 7B (hidden 4096, ffn 11008) at 4096 tokens.
+    for (m, k, n) in [
+        (4096, 2048, 2048),
+        (4096, 2048, 5632),
+        (4096, 5632, 2048),
+        (4096, 4096, 4096),
+        (4096, 4096, 11008),
+        (4096, 11008, 4096),
+        (8192, 8192, 8192),
+    ] {
+        let flop = 2.0 * (m * n * k) as f64;
+        let x = Tensor::<B, 2>::random([m, k], Distribution::Default, &dev).cast(DType::BF16);
+        let w = Tensor::<B, 2>::random([n, k], Distribution::Default, &dev).cast(DType::BF16);
+        set_fast_paths(FastPaths::ALL);
+        let ours = time(20, || {
+            let _ = ops::linear(x.clone(), w.clone());
+        });
+        let xa = Tensor::<Ad, 2>::from_inner(x.clone()).require_grad();
+        let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
+        let ours_fb = time(10, || {
+            let y = ops::linear(xa.clone(), wa.clone());
+            let _ = y.sum().backward();
+        });
+        set_fast_paths(FastPaths::NONE);
+        let wt = w.clone().transpose();
+        let burn = time(10, || {
+            let _ = x.clone().matmul(wt.clone());
+        });
+        set_fast_paths(FastPaths::ALL);
+        // cuBLAS directly on raw buffers, same GEMM (y^T = w x^T in column-major terms).
+        let a = stream.alloc_zeros::<bf16>(m * k).unwrap();
+        let bw = stream.alloc_zeros::<bf16>(n * k).unwrap();
+        let mut c = stream.alloc_zeros::<bf16>(m * n).unwrap();
+        let direct = {
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            let mut call = || {
+                let (ap, _ga) = a.device_ptr(&stream);
+                let (bp, _gb) = bw.device_ptr(&stream);
+                let (cp, _gc) = c.device_ptr_mut(&stream);
+                // SAFETY: buffers of the sizes the dimensions describe, on the handle's stream.
+                unsafe {
+                    cbr::gemm_ex(
+                        *blas.handle(),
+                        cbs::cublasOperation_t::CUBLAS_OP_T,
+                        cbs::cublasOperation_t::CUBLAS_OP_N,
+                        n as i32,
+                        m as i32,
+                        k as i32,
+                        (&alpha as *const f32).cast(),
+                        bp as *const _,
+                        cbs::cudaDataType_t::CUDA_R_16BF,
+                        k as i32,
+                        ap as *const _,
+                        cbs::cudaDataType_t::CUDA_R_16BF,
+                        k as i32,
+                        (&beta as *const f32).cast(),
+                        cp as *mut _,
+                        cbs::cudaDataType_t::CUDA_R_16BF,
+                        n as i32,
+                        cbs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cbs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                    .unwrap();
+                }
+            };
+            for _ in 0..3 {
+                call();
+            }
+            stream.synchronize().unwrap();
+            let t = Instant::now();
+            for _ in 0..20 {
+                call();
+            }
+            stream.synchronize().unwrap();
+            t.elapsed().as_secs_f64() / 20.0
+        };
+        let tf = |s: f64, f: f64| f / s / 1e12;
+        println!(
+            "{:<28} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>7.1}%",
+            format!("{m} x {k} -> {n}"),
+            tf(ours, flop),
+            tf(ours_fb, 3.0 * flop),
+            tf(burn, flop),
+            tf(direct, flop),
+            100.0 * direct / ours
+        );
+    }
+    println!("(TFLOP/s; bf16 inputs, f32 accumulation, bf16 output; 'f+b' = forward + dx + dw)");
+}
+
+fn main() {
+    let _ = smp_burn::cuda::configure_kernel_cache();
+    let what: Vec<String> = std::env::args().skip(1).collect();
+    let what = if what.is_empty() {
+        vec!["check".to_string(), "gemm".to_string()]
+    } else {
+        what
+    };
+    let mut ok = true;
+    for w in &what {
+        match w.as_str() {
+            "check" => ok &= check(),
+            "gemm" => gemm(),
+            other => {
+                eprintln!("unknown part {other:?}: use check and/or gemm");
+                std::process::exit(2);
+            }
+        }
+    }
+    if !ok {
+        eprintln!("kernel_bench: some checks FAILED");
+        std::process::exit(1);
+    }
+}
