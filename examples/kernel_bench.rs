@@ -2,6 +2,7 @@
 //!
 //! `kernel_bench check`: every fast op against the reference op on fresh random inputs (forward
 //! and gradients), odd shapes included; exits non-zero on a miss.
+//! `kernel_bench attention`: only the attention part of `check`.
 //! `kernel_bench gemm`: linear-layer GEMM TFLOP/s at the Llama 1B and 7B shapes, three ways in
 //! one process: our cuBLAS linear on Burn tensors (ordering included), Burn's stock matmul, and
 //! cuBLAS called directly on raw buffers (the goal: ours at least 95 % of direct).
@@ -110,6 +111,71 @@ fn check() -> bool {
                 if pass { "ok" } else { "FAIL" }
             );
         }
+    }
+    ok
+}
+
+/// Flash attention through the autodiff op (the path the model takes) against the reference
+/// attention on the same GPU in f32 from the same bf16-rounded inputs: output and the three
+/// input gradients of `sum(o * r)`.
+fn check_attention() -> bool {
+    let dev = device();
+    let mut ok = true;
+    // (batch, q heads, kv heads, seq, head dim): GQA, odd lengths, both head dims.
+    for (b, hq, hkv, s, d) in [
+        (1, 4, 2, 1, 64),
+        (2, 4, 2, 77, 64),
+        (1, 8, 8, 200, 128),
+        (1, 8, 2, 1024, 128),
+    ] {
+        let rnd = |shape: [usize; 4]| {
+            Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), &dev)
+                .cast(DType::BF16)
+                .cast(DType::F32)
+        };
+        let (q, k, v) = (rnd([b, hq, s, d]), rnd([b, hkv, s, d]), rnd([b, hkv, s, d]));
+        let r = Tensor::<B, 4>::random([b, hq, s, d], Distribution::Normal(0.0, 1.0), &dev);
+        let run = |dtype: DType, fast: bool| -> [Vec<f32>; 4] {
+            set_fast_paths(if fast {
+                FastPaths::ALL
+            } else {
+                FastPaths::NONE
+            });
+            let leaf = |t: &Tensor<B, 4>| {
+                Tensor::<Ad, 4>::from_inner(t.clone().cast(dtype)).require_grad()
+            };
+            let (qa, ka, va) = (leaf(&q), leaf(&k), leaf(&v));
+            let o = ops::causal_attention(qa.clone(), ka.clone(), va.clone());
+            let g = (o.clone().cast(DType::F32) * Tensor::from_inner(r.clone()))
+                .sum()
+                .backward();
+            let out = [
+                host(o.inner()),
+                host(qa.grad(&g).expect("dq")),
+                host(ka.grad(&g).expect("dk")),
+                host(va.grad(&g).expect("dv")),
+            ];
+            set_fast_paths(FastPaths::ALL);
+            out
+        };
+        let ours = run(DType::BF16, true);
+        let reference = run(DType::F32, false);
+        let e: Vec<f32> = (0..4).map(|i| rel_err(&ours[i], &reference[i])).collect();
+        // bf16 inputs and outputs, probabilities rounded to bf16 before P V (as flash-attention
+        // 2 does): 2e-2 of the largest value; S=1 has zero dq and dk, so absolute there.
+        let tol = 2e-2;
+        let pass = e.iter().enumerate().all(|(i, &v)| {
+            v <= tol || (s == 1 && (i == 1 || i == 2) && ours[i].iter().all(|x| x.abs() < 1e-4))
+        });
+        ok &= pass;
+        println!(
+            "attention bf16 b{b} hq{hq} hkv{hkv} s{s} d{d}: rel err o {:.2e} dq {:.2e} dk {:.2e} dv {:.2e} {}",
+            e[0],
+            e[1],
+            e[2],
+            e[3],
+            if pass { "ok" } else { "FAIL" }
+        );
     }
     ok
 }
@@ -238,10 +304,14 @@ fn main() {
     let mut ok = true;
     for w in &what {
         match w.as_str() {
-            "check" => ok &= check(),
+            "check" => {
+                ok &= check();
+                ok &= check_attention();
+            }
+            "attention" => ok &= check_attention(),
             "gemm" => gemm(),
             other => {
-                eprintln!("unknown part {other:?}: use check and/or gemm");
+                eprintln!("unknown part {other:?}: use check, attention and/or gemm");
                 std::process::exit(2);
             }
         }

@@ -241,6 +241,33 @@ fn run_cuda_rank(
     )?)
 }
 
+/// Stops the whole process on a panic in any thread, with a message that says what to do.
+///
+/// CubeCL runs GPU work on its own threads; when one of them panics (most often: out of GPU
+/// memory), the training threads would carry on with a broken device and print numbers that
+/// mean nothing. Checkpoints already written stay intact.
+fn install_panic_hook() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default(info);
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.contains("can't allocate buffer") || msg.contains("out of memory") {
+            eprintln!(
+                "error: out of GPU memory ({msg}). Shard over more GPUs (--nproc-per-node), keep \
+                 --activation-checkpointing on, or lower --micro-batch / --seq-len."
+            );
+        } else {
+            eprintln!("error: a thread panicked; stopping (the last checkpoint is intact)");
+        }
+        std::process::exit(101);
+    }));
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -249,6 +276,7 @@ fn main() {
         .with_target(false)
         .with_writer(std::io::stderr)
         .init();
+    install_panic_hook();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e}");

@@ -44,6 +44,10 @@ pub struct StepMetrics {
     /// Time spent waiting on collectives during the step, where measured.
     #[serde(default)]
     pub comm_wait_ms: Option<f64>,
+    /// Device time of this step's collectives (NCCL, CUDA events), all of it exposed while
+    /// communication does not overlap compute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_device_ms: Option<f64>,
 }
 
 fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
@@ -382,6 +386,7 @@ mod tests {
             mfu: 0.4,
             peak_mem_bytes: Some(1 << 30),
             comm_wait_ms: None,
+            comm_device_ms: None,
         }
     }
 

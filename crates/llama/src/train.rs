@@ -443,6 +443,20 @@ pub fn train_rank<B: AutodiffBackend>(
             .unwrap_or_default()
     );
 
+    // Found out now, not after the last step: a validation split smaller than one global batch
+    // (tiny corpora, long sequences, many ranks) would otherwise fail the run at its end.
+    let val_global = cfg.micro_batch * groups.dp_size;
+    let can_evaluate = prepared.dataset.val_windows() >= val_global;
+    if !can_evaluate && lead {
+        tracing::warn!(
+            "evaluation is off: the validation split has {} windows, fewer than one global batch \
+             of {val_global} ({} per rank x {} data-parallel ranks); raise val_fraction or use \
+             more data",
+            prepared.dataset.val_windows(),
+            cfg.micro_batch,
+            groups.dp_size
+        );
+    }
     let bar = (lead && cfg.progress).then(|| {
         let bar = indicatif::ProgressBar::new(cfg.steps);
         bar.set_style(
@@ -509,8 +523,9 @@ pub fn train_rank<B: AutodiffBackend>(
             )));
         }
 
-        let evaluate = start_step == cfg.steps
-            || (cfg.eval_interval > 0 && start_step % cfg.eval_interval == 0);
+        let evaluate = can_evaluate
+            && (start_step == cfg.steps
+                || (cfg.eval_interval > 0 && start_step % cfg.eval_interval == 0));
         let val_loss = if evaluate {
             Some(evaluate_loss(&model, prepared, &groups, device)?)
         } else {
@@ -534,6 +549,7 @@ pub fn train_rank<B: AutodiffBackend>(
                 mfu: peak_flops.map(|p| tflops * 1e12 / p).unwrap_or(f64::NAN),
                 peak_mem_bytes: memory_in_use(),
                 comm_wait_ms: Some(stats.comm.wait.as_secs_f64() * 1e3),
+                comm_device_ms: stats.comm.device.map(|d| d.as_secs_f64() * 1e3),
             })?;
         }
         if let Some(bar) = &bar {
@@ -549,16 +565,26 @@ pub fn train_rank<B: AutodiffBackend>(
         let eval_step = val_loss.is_some();
         if bar.is_none() && lead && (start_step % log_every == 0 || eval_step) {
             tracing::info!(
-                "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms | {tokens_per_sec:.0} tok/s | {:.1} GFLOP/s/device{} | grad norm {:.3} | comm wait {:.1} ms{}",
+                "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms | {tokens_per_sec:.0} tok/s{} | {:.1} GFLOP/s/device{} | grad norm {:.3} | comm wait {:.1} ms{}{}",
                 cfg.steps,
                 val_loss.map(|v| format!(" val {v:.4}")).unwrap_or_default(),
                 dt * 1e3,
+                if world > 1 {
+                    format!(" ({:.0} per device)", tokens_per_sec / world as f64)
+                } else {
+                    String::new()
+                },
                 tflops * 1e3,
                 peak_flops
                     .map(|p| format!(" | MFU {:.1}%", 100.0 * tflops * 1e12 / p))
                     .unwrap_or_default(),
                 stats.grad_norm,
                 stats.comm.wait.as_secs_f64() * 1e3,
+                stats
+                    .comm
+                    .device
+                    .map(|d| format!(" (NCCL {:.1} ms, exposed)", d.as_secs_f64() * 1e3))
+                    .unwrap_or_default(),
                 memory_in_use()
                     .map(|b| format!(" | mem {:.1} GiB", b as f64 / (1u64 << 30) as f64))
                     .unwrap_or_default(),

@@ -30,6 +30,12 @@ pub trait TensorComm<B: Backend>: Send + Sync + std::fmt::Debug {
     fn all_reduce(&self, t: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, SmpError>;
     /// Every rank gets `root`'s tensor.
     fn broadcast(&self, t: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>, SmpError>;
+    /// Device time the collectives queued since the last call took to run, where the
+    /// implementation measures it (CUDA events around each NCCL call); `None` elsewhere. Waits
+    /// for those collectives to finish.
+    fn take_device_time(&self) -> Result<Option<std::time::Duration>, SmpError> {
+        Ok(None)
+    }
 }
 
 /// [`TensorComm`] for any backend, through host memory and a [`Communicator`].

@@ -9,30 +9,38 @@
 //!
 //! Every fast path can be switched off, for A/B runs and for bisecting a wrong result: with
 //! [`set_fast_paths`] or the environment variable `SMP_BURN_FAST` (`all`, the default; `none`;
-//! or a comma list such as `gemm`).
+//! or a comma list such as `gemm,attention`).
 
 use std::any::{Any, TypeId};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use burn::tensor::{Tensor, backend::Backend};
 
-use crate::cuda::CudaCube;
 use crate::cuda::gemm::{self, CudaAutodiff};
+use crate::cuda::{CudaCube, attention};
 
 /// Which fast paths are on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FastPaths {
     /// Linear layers through cuBLAS.
     pub gemm: bool,
+    /// Causal attention through the flash kernels (bf16/f16, head dim 64 or 128).
+    pub attention: bool,
 }
 
 impl FastPaths {
     /// Every fast path on.
-    pub const ALL: Self = Self { gemm: true };
+    pub const ALL: Self = Self {
+        gemm: true,
+        attention: true,
+    };
     /// Only the reference ops.
-    pub const NONE: Self = Self { gemm: false };
+    pub const NONE: Self = Self {
+        gemm: false,
+        attention: false,
+    };
 
-    /// Parses `all`, `none` or a comma list of path names (`gemm`).
+    /// Parses `all`, `none` or a comma list of path names (`gemm`, `attention`).
     pub fn parse(s: &str) -> Result<Self, String> {
         match s.trim() {
             "" | "all" => return Ok(Self::ALL),
@@ -43,9 +51,10 @@ impl FastPaths {
         for name in s.split(',').map(str::trim) {
             match name {
                 "gemm" => p.gemm = true,
+                "attention" => p.attention = true,
                 other => {
                     return Err(format!(
-                        "unknown fast path {other:?} (known: gemm; or all / none)"
+                        "unknown fast path {other:?} (known: gemm, attention; or all / none)"
                     ));
                 }
             }
@@ -54,11 +63,14 @@ impl FastPaths {
     }
 
     fn bits(self) -> u8 {
-        1 | (self.gemm as u8) << 1
+        1 | (self.gemm as u8) << 1 | (self.attention as u8) << 2
     }
 
     fn from_bits(b: u8) -> Self {
-        Self { gemm: b & 2 != 0 }
+        Self {
+            gemm: b & 2 != 0,
+            attention: b & 4 != 0,
+        }
     }
 }
 
@@ -115,6 +127,35 @@ pub(crate) fn linear<B: Backend, const D: usize>(
     }
 }
 
+/// Causal grouped-query attention through the flash kernels when `B` is the CUDA backend and
+/// the shapes and dtypes allow; `None` means "use the reference".
+pub(crate) fn causal_attention<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+) -> Option<Tensor<B, 4>> {
+    if !fast_paths().attention
+        || q.dtype() != k.dtype()
+        || k.dtype() != v.dtype()
+        || k.dims() != v.dims()
+        || !attention::supports(&q.dims(), &k.dims(), q.dtype())
+    {
+        return None;
+    }
+    let b = TypeId::of::<B>();
+    if b == TypeId::of::<CudaAutodiff>() {
+        let o =
+            attention::causal_attention_autodiff(same(q.clone()), same(k.clone()), same(v.clone()));
+        Some(same(o))
+    } else if b == TypeId::of::<CudaCube>() {
+        let o =
+            attention::causal_attention_plain(same(q.clone()), same(k.clone()), same(v.clone()));
+        Some(same(o))
+    } else {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,7 +164,10 @@ mod tests {
     fn parses_switches() {
         assert_eq!(FastPaths::parse("all").unwrap(), FastPaths::ALL);
         assert_eq!(FastPaths::parse("none").unwrap(), FastPaths::NONE);
-        assert_eq!(FastPaths::parse("gemm").unwrap(), FastPaths::ALL);
+        assert_eq!(FastPaths::parse("gemm,attention").unwrap(), FastPaths::ALL);
+        let only_gemm = FastPaths::parse("gemm").unwrap();
+        assert!(only_gemm.gemm && !only_gemm.attention);
+        assert_eq!(FastPaths::from_bits(only_gemm.bits()), only_gemm);
         let e = FastPaths::parse("gemm,flash2").unwrap_err();
         assert!(e.contains("flash2"), "{e}");
     }

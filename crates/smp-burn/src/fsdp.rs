@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::{
-    FloatDType, Tensor,
+    FloatDType, Tensor, TensorData,
     backend::{AutodiffBackend, Backend},
 };
 use collectives::ReduceOp;
@@ -79,6 +79,10 @@ pub struct CommStats {
     pub wait: Duration,
     /// Number of collective calls.
     pub calls: u64,
+    /// Device time the collectives ran (NCCL, timed with CUDA events); `None` where the
+    /// communicator does not measure it. With no overlap of communication and compute yet,
+    /// all of it is exposed: the step is this much longer than its compute.
+    pub device: Option<Duration>,
 }
 
 impl<IB: Backend> FsdpContext<IB> {
@@ -101,7 +105,17 @@ impl<IB: Backend> FsdpContext<IB> {
 
     /// Returns the collective statistics gathered so far and resets them.
     pub fn take_stats(&self) -> CommStats {
-        std::mem::take(&mut *self.stats.lock().expect("stats lock"))
+        let mut stats = std::mem::take(&mut *self.stats.lock().expect("stats lock"));
+        let mut device: Option<Duration> = None;
+        for comm in std::iter::once(&self.shard).chain(self.replicate.as_ref()) {
+            match comm.take_device_time() {
+                Ok(Some(d)) => *device.get_or_insert(Duration::ZERO) += d,
+                Ok(None) => {}
+                Err(e) => tracing::warn!("timing collectives: {e}"),
+            }
+        }
+        stats.device = device;
+        stats
     }
 
     fn timed<T>(&self, f: impl FnOnce() -> Result<T, SmpError>) -> Result<T, SmpError> {
@@ -249,13 +263,15 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         let rank = ctx.shard.rank();
         let layout = FlatLayout::of::<B, M>(&template, degree);
         let range = layout.shard_range(rank, degree);
-        let values = fill_shard(&layout, range.clone(), &init)?;
-        let decay = fill_shard(&layout, range, &|p: &FlatParam, r: Range<usize>| {
-            vec![if p.shape.len() >= 2 { 1.0 } else { 0.0 }; r.len()]
+        let master = upload_shard::<B::InnerBackend>(&layout, range.clone(), &init, device)?;
+        // Weight decay applies to matrices only (not norms); built on the device, piece by piece.
+        let decay_mask = build_shard::<B::InnerBackend>(&layout, range, device, &|p, r| {
+            Ok(Tensor::full(
+                [r.len()],
+                if p.shape.len() >= 2 { 1.0 } else { 0.0 },
+                device,
+            ))
         })?;
-        let master = Tensor::<B::InnerBackend, 1>::from_floats(values.as_slice(), device)
-            .cast(FloatDType::F32);
-        let decay_mask = Tensor::from_floats(decay.as_slice(), device).cast(FloatDType::F32);
         let zeros = master.zeros_like();
         Ok(Self {
             name: name.into(),
@@ -456,9 +472,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         init: impl Fn(&FlatParam, Range<usize>) -> Vec<f32>,
     ) -> Result<(), SmpError> {
         let range = self.layout.shard_range(self.rank, self.degree);
-        let values = fill_shard(&self.layout, range, &init)?;
-        let t = Tensor::<B::InnerBackend, 1>::from_floats(values.as_slice(), &self.master.device())
-            .cast(FloatDType::F32);
+        let t = upload_shard::<B::InnerBackend>(&self.layout, range, &init, &self.master.device())?;
         match kind {
             StateKind::Weights => self.master = t,
             StateKind::ExpAvg => self.exp_avg = t,
@@ -548,31 +562,64 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
 
 /// The elements `range` of a unit's flat buffer, asking `init` only for the parts of each
 /// parameter that fall inside it; padding is zero.
-fn fill_shard(
+/// Produces the device values of elements `range` of one parameter.
+type ShardPiece<'a, IB> = dyn Fn(&FlatParam, Range<usize>) -> Result<Tensor<IB, 1>, SmpError> + 'a;
+
+/// This rank's shard as one f32 device tensor, made of the pieces `piece(param, range within the
+/// param)` returns for each parameter overlapping `range`, plus the zero padding at the end.
+///
+/// Piece by piece so that the host never holds the whole shard: a 70B-wide layer's shard is
+/// gigabytes, and building it in one host buffer (and copying it into Burn's `TensorData`) made
+/// start-up page-fault bound: minutes per rank.
+fn build_shard<IB: Backend>(
     layout: &FlatLayout,
     range: Range<usize>,
-    init: &dyn Fn(&FlatParam, Range<usize>) -> Vec<f32>,
-) -> Result<Vec<f32>, SmpError> {
-    let mut values = Vec::with_capacity(range.len());
+    device: &IB::Device,
+    piece: &ShardPiece<'_, IB>,
+) -> Result<Tensor<IB, 1>, SmpError> {
+    let mut pieces = Vec::new();
+    let mut filled = 0;
     for p in &layout.params {
         let lo = p.offset.max(range.start);
         let hi = (p.offset + p.numel).min(range.end);
         if lo < hi {
-            let part = init(p, lo - p.offset..hi - p.offset);
-            if part.len() != hi - lo {
-                return Err(SmpError::Config(format!(
-                    "initializer returned {} values for elements {}..{} of {}",
-                    part.len(),
-                    lo - p.offset,
-                    hi - p.offset,
-                    p.name
-                )));
-            }
-            values.extend(part);
+            pieces.push(piece(p, lo - p.offset..hi - p.offset)?);
+            filled += hi - lo;
         }
     }
-    values.resize(range.len(), 0.0);
-    Ok(values)
+    if filled < range.len() {
+        pieces.push(Tensor::zeros([range.len() - filled], device));
+    }
+    let t = match pieces.len() {
+        0 => Tensor::zeros([0], device),
+        1 => pieces.pop().expect("one piece"),
+        _ => Tensor::cat(pieces, 0),
+    };
+    Ok(t.cast(FloatDType::F32))
+}
+
+/// [`build_shard`] with values from a host initializer (checked for length).
+fn upload_shard<IB: Backend>(
+    layout: &FlatLayout,
+    range: Range<usize>,
+    init: &dyn Fn(&FlatParam, Range<usize>) -> Vec<f32>,
+    device: &IB::Device,
+) -> Result<Tensor<IB, 1>, SmpError> {
+    build_shard::<IB>(layout, range, device, &|p, r| {
+        let part = init(p, r.clone());
+        if part.len() != r.len() {
+            return Err(SmpError::Config(format!(
+                "initializer returned {} values for elements {}..{} of {}",
+                part.len(),
+                r.start,
+                r.end,
+                p.name
+            )));
+        }
+        let n = part.len();
+        // `TensorData::new` takes the vector as it is; `from_floats(&[..])` would copy it.
+        Ok(Tensor::from_data(TensorData::new(part, [n]), device))
+    })
 }
 
 /// Which of a unit's sharded tensors to read.

@@ -77,12 +77,15 @@ pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -
 ///
 /// `q: [batch, heads, seq, head_dim]`, `k`/`v: [batch, kv_heads, seq, head_dim]`; each key/value
 /// head serves `heads / kv_heads` query heads. Softmax runs in f32. This path stores the
-/// `seq x seq` scores; the flash kernel exists to avoid exactly that.
+/// `seq x seq` scores; on CUDA in bf16 the flash kernels run instead (see [`crate::fast`]).
 pub fn causal_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
 ) -> Tensor<B, 4> {
+    if let Some(o) = crate::fast::causal_attention(&q, &k, &v) {
+        return o;
+    }
     let [batch, heads, seq, head_dim] = q.dims();
     let kv_heads = k.dims()[1];
     let group = heads / kv_heads;

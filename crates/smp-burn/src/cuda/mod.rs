@@ -18,6 +18,8 @@
 //! Nothing here touches CUDA until a caller asks for it: [`cuda_device_count`] returns 0 on a
 //! machine without libcuda, and the rest is only reached with CUDA tensors in hand.
 
+pub mod attention;
+pub mod flash;
 pub mod gemm;
 mod kernel_cache;
 pub use kernel_cache::{configure_kernel_cache, kernel_cache_dir, user_cubecl_config};
@@ -291,6 +293,8 @@ pub struct CudaTensorComm {
     nccl: NcclComm,
     bridge: Mutex<StreamBridge>,
     ordering: Mutex<Ordering>,
+    /// Timing events around each collective queued since the last `take_device_time`.
+    timings: Mutex<Vec<(Event, Event)>>,
 }
 
 impl std::fmt::Debug for CudaTensorComm {
@@ -316,6 +320,7 @@ impl CudaTensorComm {
             nccl,
             bridge: Mutex::new(bridge),
             ordering: Mutex::new(Ordering::Events),
+            timings: Mutex::new(Vec::new()),
         })
     }
 
@@ -391,8 +396,21 @@ impl CudaTensorComm {
         match ordering {
             Ordering::Events => {
                 b.burn_to_comm()?;
+                // The start event runs once the comm stream has waited for Burn's work, so
+                // the pair times NCCL alone.
+                let timing = (timing_event()?, timing_event()?);
+                // SAFETY: live events and stream of the bridge's (current) context.
+                unsafe { cudarc::driver::result::event::record(timing.0.0, b.stream()) }
+                    .map_err(|e| cuda_err("cuEventRecord", e))?;
                 f(b.stream())?;
+                // SAFETY: as above.
+                unsafe { cudarc::driver::result::event::record(timing.1.0, b.stream()) }
+                    .map_err(|e| cuda_err("cuEventRecord", e))?;
                 b.comm_to_burn()?;
+                self.timings
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(timing);
             }
             Ordering::HostSync => {
                 B::sync(device).map_err(|e| cuda_err("Burn sync", e))?;
@@ -406,7 +424,32 @@ impl CudaTensorComm {
     }
 }
 
+fn timing_event() -> Result<Event, SmpError> {
+    cudarc::driver::result::event::create(ds::CUevent_flags::CU_EVENT_DEFAULT)
+        .map(Event)
+        .map_err(|e| cuda_err("cuEventCreate", e))
+}
+
 impl<B: CudaTensors> TensorComm<B> for CudaTensorComm {
+    fn take_device_time(&self) -> Result<Option<std::time::Duration>, SmpError> {
+        let pairs = std::mem::take(&mut *self.timings.lock().unwrap_or_else(|p| p.into_inner()));
+        let b = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
+        b.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        let mut ms = 0.0f64;
+        for (start, end) in &pairs {
+            // SAFETY: both events were recorded on the comm stream of this context.
+            unsafe {
+                cudarc::driver::result::event::synchronize(end.0)
+                    .map_err(|e| cuda_err("cuEventSynchronize", e))?;
+                ms += cudarc::driver::result::event::elapsed(start.0, end.0)
+                    .map_err(|e| cuda_err("cuEventElapsedTime", e))? as f64;
+            }
+        }
+        Ok(Some(std::time::Duration::from_secs_f64(ms / 1e3)))
+    }
+
     fn rank(&self) -> usize {
         self.nccl.rank()
     }

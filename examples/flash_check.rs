@@ -1,0 +1,428 @@
+//! Checks smp-burn's flash-attention kernels against a plain f32 reference, then times them.
+//!
+//! Check: random bf16 inputs on CUDA device 0, both kernel variants (`plain`, and `cmma` where
+//! the device has bf16 tensor cores), odd shapes included; the reference runs in f32 on the CPU
+//! (Burn's ndarray backend) on the same bf16-rounded values: scores = q k^T * scale, causal
+//! mask, softmax, @ v; gradients by the explicit formulas dP = dO V^T,
+//! dS = P * (dP - rowsum(dO * O)), dQ = dS K * scale, dK = dS^T Q * scale, dV = P^T dO, with
+//! GQA summing dK/dV over the query heads that share a kv head. Prints max abs and relative
+//! error (max |a - b| / max |b|) of O, lse, dQ, dK, dV; fails (exit 1) above 2e-2 (bf16) or
+//! 1e-3 (the f32 run of the plain variant), unless the max abs error is below 1e-4 (a
+//! reference that is zero up to rounding, e.g. dQ and dK at S = 1).
+//!
+//! Bench: causal, B=1, 32 q and 32 kv heads, hd 128, S = 4096 and 16384; forward and backward
+//! TFLOP/s (forward 4*B*H*S*S*D/2, backward 2.5x that), timed between device syncs.
+//!
+//! The shapes include S = 1, 65, 77, 129, 200, 300, 333, 1024, GQA (4 q heads on 2 or 1 kv
+//! heads) and MHA, hd 64 and 128, and a "sharp" case with q scaled by 20 so that row maxima
+//! jump between key blocks and the cmma forward's lazy-rescale path runs.
+//!
+//! Flags: `--quick` (fewer shapes, S=4096 only), `--no-bench`, `--no-check`,
+//! `--variant plain|cmma` (only that one), `--iters N` (timed iterations, default 10).
+//! Lines starting `RESULT|` are for machines:
+//! `RESULT|check|variant|dtype|shape|tensor|max_abs|rel|ok` and
+//! `RESULT|bench|variant|S|fwd_ms|fwd_tflops|bwd_ms|bwd_tflops`.
+
+use std::time::Instant;
+
+use burn::backend::NdArray;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::Runtime;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use smp_burn::cuda::flash::{
+    FlashVariant, cmma_supported, flash_backward_with, flash_forward_with,
+};
+
+type G = CubeBackend<CudaRuntime, f32, i32, u8>;
+type C = NdArray<f32>;
+type Ct = CubeTensor<CudaRuntime>;
+
+struct Args {
+    quick: bool,
+    bench: bool,
+    check: bool,
+    variant: Option<FlashVariant>,
+    iters: usize,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        quick: false,
+        bench: true,
+        check: true,
+        variant: None,
+        iters: 10,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--quick" => a.quick = true,
+            "--no-bench" => a.bench = false,
+            "--no-check" => a.check = false,
+            "--variant" => {
+                a.variant = Some(match it.next().as_deref() {
+                    Some("plain") => FlashVariant::Plain,
+                    Some("cmma") => FlashVariant::Cmma,
+                    other => panic!("--variant takes plain or cmma, got {other:?}"),
+                })
+            }
+            "--iters" => {
+                a.iters = it
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .expect("--iters needs a number")
+            }
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+fn prim<const D: usize>(t: Tensor<G, D>) -> Ct {
+    t.into_primitive().tensor()
+}
+
+fn wrap<const D: usize>(t: Ct) -> Tensor<G, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// GPU tensor (any float dtype) -> host f32 values.
+fn host<const D: usize>(t: Tensor<G, D>) -> Vec<f32> {
+    t.cast(DType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .expect("f32 data")
+}
+
+/// GPU tensor -> CPU reference tensor in f32, same values.
+fn to_cpu<const D: usize>(t: &Tensor<G, D>) -> Tensor<C, D> {
+    let data: TensorData = t.clone().cast(DType::F32).into_data();
+    Tensor::from_data(data.convert::<f32>(), &Default::default())
+}
+
+/// Reference outputs, all f32 on the CPU: (o, lse, dq, dk, dv).
+struct Reference {
+    o: Vec<f32>,
+    lse: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+fn reference(
+    q: Tensor<C, 4>,
+    k: Tensor<C, 4>,
+    v: Tensor<C, 4>,
+    d_o: Tensor<C, 4>,
+    scale: f32,
+) -> Reference {
+    let dev = Default::default();
+    let [b, hq, s, d] = q.dims();
+    let hkv = k.dims()[1];
+    let group = hq / hkv;
+    // [B, Hkv, S, D] -> [B, Hq, S, D], query head h reading kv head h / group.
+    let rep = |t: Tensor<C, 4>| {
+        t.reshape([b, hkv, 1, s, d])
+            .repeat_dim(2, group)
+            .reshape([b, hq, s, d])
+    };
+    let kr = rep(k);
+    let vr = rep(v);
+
+    let idx = Tensor::<C, 1, Int>::arange(0..s as i64, &dev);
+    let rows = idx.clone().reshape([s, 1]).repeat_dim(1, s);
+    let cols = idx.reshape([1, s]).repeat_dim(0, s);
+    let masked: Tensor<C, 2, Bool> = cols.greater(rows); // key j > query i
+    let masked = masked.reshape([1, 1, s, s]).expand([b, hq, s, s]);
+
+    let scores = q
+        .clone()
+        .matmul(kr.clone().swap_dims(2, 3))
+        .mul_scalar(scale)
+        .mask_fill(masked, -1.0e30);
+    let mx = scores.clone().max_dim(3);
+    let e = (scores - mx.clone()).exp();
+    let sum = e.clone().sum_dim(3);
+    let p = e / sum.clone();
+    let lse = (mx + sum.log()).reshape([b, hq, s]);
+    let o = p.clone().matmul(vr.clone());
+
+    let delta = (d_o.clone() * o.clone()).sum_dim(3);
+    let dp = d_o.clone().matmul(vr.swap_dims(2, 3));
+    let ds = p.clone() * (dp - delta);
+    let dq = ds.clone().matmul(kr).mul_scalar(scale);
+    let dk_rep = ds.swap_dims(2, 3).matmul(q).mul_scalar(scale);
+    let dv_rep = p.swap_dims(2, 3).matmul(d_o);
+    let fold = |t: Tensor<C, 4>| {
+        t.reshape([b, hkv, group, s, d])
+            .sum_dim(2)
+            .reshape([b, hkv, s, d])
+    };
+    let vec = |t: Tensor<C, 4>| t.into_data().to_vec::<f32>().expect("f32");
+    Reference {
+        o: vec(o),
+        lse: lse.into_data().to_vec::<f32>().expect("f32"),
+        dq: vec(dq),
+        dk: vec(fold(dk_rep)),
+        dv: vec(fold(dv_rep)),
+    }
+}
+
+/// (max |a - b|, max |a - b| / max |b|); NaN anywhere counts as an infinite error.
+fn errors(a: &[f32], b: &[f32]) -> (f32, f32) {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    let mut diff = 0.0f32;
+    let mut scale = 0.0f32;
+    for (x, y) in a.iter().zip(b) {
+        let dd = (x - y).abs();
+        diff = if dd.is_nan() {
+            f32::INFINITY
+        } else {
+            diff.max(dd)
+        };
+        scale = scale.max(y.abs());
+    }
+    (diff, diff / scale.max(f32::MIN_POSITIVE))
+}
+
+fn variant_name(v: FlashVariant) -> &'static str {
+    match v {
+        FlashVariant::Plain => "plain",
+        FlashVariant::Cmma => "cmma",
+    }
+}
+
+/// One shape, one variant, one dtype; returns whether every tensor passed.
+#[allow(clippy::too_many_arguments)]
+fn check_case(
+    dev: &CudaDevice,
+    variant: FlashVariant,
+    dtype: DType,
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    s: usize,
+    d: usize,
+    q_gain: f32,
+) -> bool {
+    let tol = if dtype == DType::F32 { 1e-3 } else { 2e-2 };
+    let scale = 1.0 / (d as f32).sqrt();
+    let rnd = |h: usize| {
+        Tensor::<G, 4>::random([b, h, s, d], Distribution::Normal(0.0, 1.0), dev).cast(dtype)
+    };
+    let q = (Tensor::<G, 4>::random([b, hq, s, d], Distribution::Normal(0.0, 1.0), dev) * q_gain)
+        .cast(dtype);
+    let (k, v, d_o) = (rnd(hkv), rnd(hkv), rnd(hq));
+    let want = reference(to_cpu(&q), to_cpu(&k), to_cpu(&v), to_cpu(&d_o), scale);
+
+    let (o, lse) = flash_forward_with(
+        variant,
+        prim(q.clone()),
+        prim(k.clone()),
+        prim(v.clone()),
+        scale,
+    );
+    let (dq, dk, dv) = flash_backward_with(
+        variant,
+        prim(q),
+        prim(k),
+        prim(v),
+        o.clone(),
+        lse.clone(),
+        prim(d_o),
+        scale,
+    );
+    let got = [
+        ("O", host(wrap::<4>(o)), &want.o),
+        ("lse", host(wrap::<3>(lse)), &want.lse),
+        ("dQ", host(wrap::<4>(dq)), &want.dq),
+        ("dK", host(wrap::<4>(dk)), &want.dk),
+        ("dV", host(wrap::<4>(dv)), &want.dv),
+    ];
+    let shape = if q_gain == 1.0 {
+        format!("B{b}_Hq{hq}_Hkv{hkv}_S{s}_D{d}")
+    } else {
+        format!("B{b}_Hq{hq}_Hkv{hkv}_S{s}_D{d}_q*{q_gain}")
+    };
+    let dname = format!("{dtype:?}").to_lowercase();
+    let mut all_ok = true;
+    for (name, a, r) in got {
+        let (abs, rel) = errors(&a, r);
+        // An absolute floor for references that are zero up to rounding (S = 1: dS = 0, so
+        // dQ = dK = 0 and the relative error is noise over noise).
+        let ok = rel <= tol || abs <= 1e-4;
+        all_ok &= ok;
+        println!(
+            "{} {:5} {:4} {:26} {:3}: max_abs {:.3e} rel {:.3e}{}",
+            if ok { "ok  " } else { "FAIL" },
+            variant_name(variant),
+            dname,
+            shape,
+            name,
+            abs,
+            rel,
+            if !ok {
+                format!("  <-- exceeds {tol:.0e}")
+            } else if rel > tol {
+                "  (reference ~0: passed on max_abs <= 1e-4)".to_string()
+            } else {
+                String::new()
+            }
+        );
+        println!(
+            "RESULT|check|{}|{dname}|{shape}|{name}|{abs:e}|{rel:e}|{ok}",
+            variant_name(variant)
+        );
+    }
+    all_ok
+}
+
+fn sync(dev: &CudaDevice) {
+    <G as Backend>::sync(dev).expect("device sync");
+}
+
+/// Forward and backward TFLOP/s at one sequence length.
+fn bench_case(dev: &CudaDevice, variant: FlashVariant, s: usize, iters: usize) {
+    let (b, h, d) = (1usize, 32usize, 128usize);
+    let scale = 1.0 / (d as f32).sqrt();
+    let rnd = || {
+        prim(
+            Tensor::<G, 4>::random([b, h, s, d], Distribution::Normal(0.0, 1.0), dev)
+                .cast(DType::BF16),
+        )
+    };
+    let (q, k, v, d_o) = (rnd(), rnd(), rnd(), rnd());
+    let fwd = || flash_forward_with(variant, q.clone(), k.clone(), v.clone(), scale);
+
+    let warmup = 2;
+    let mut last = None;
+    for _ in 0..warmup {
+        last = Some(fwd());
+    }
+    sync(dev);
+    let t = Instant::now();
+    for _ in 0..iters {
+        last = Some(fwd());
+    }
+    sync(dev);
+    let fwd_s = t.elapsed().as_secs_f64() / iters as f64;
+    let (o, lse) = last.expect("forward ran");
+
+    let bwd = || {
+        flash_backward_with(
+            variant,
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            o.clone(),
+            lse.clone(),
+            d_o.clone(),
+            scale,
+        )
+    };
+    for _ in 0..warmup {
+        drop(bwd());
+    }
+    sync(dev);
+    let t = Instant::now();
+    for _ in 0..iters {
+        drop(bwd());
+    }
+    sync(dev);
+    let bwd_s = t.elapsed().as_secs_f64() / iters as f64;
+
+    let fwd_flops = 4.0 * (b * h) as f64 * (s as f64) * (s as f64) * d as f64 / 2.0;
+    let bwd_flops = 2.5 * fwd_flops;
+    let (ft, bt) = (fwd_flops / fwd_s / 1e12, bwd_flops / bwd_s / 1e12);
+    println!(
+        "bench {:5} causal B{b} H{h} D{d} S{s:6}: fwd {:8.3} ms {:7.1} TFLOP/s | bwd {:8.3} ms {:7.1} TFLOP/s",
+        variant_name(variant),
+        fwd_s * 1e3,
+        ft,
+        bwd_s * 1e3,
+        bt
+    );
+    println!(
+        "RESULT|bench|{}|{s}|{:.4}|{ft:.2}|{:.4}|{bt:.2}",
+        variant_name(variant),
+        fwd_s * 1e3,
+        bwd_s * 1e3
+    );
+}
+
+fn main() {
+    let args = parse_args();
+    let dev = CudaDevice::new(0);
+    let client = CudaRuntime::client(&dev);
+    let has_cmma = cmma_supported(&client, DType::BF16);
+    println!("flash_check: cmma (bf16 tensor cores) supported: {has_cmma}");
+
+    let variants: Vec<FlashVariant> = match args.variant {
+        Some(v) => vec![v],
+        None if has_cmma => vec![FlashVariant::Plain, FlashVariant::Cmma],
+        None => vec![FlashVariant::Plain],
+    };
+
+    let mut failures = 0usize;
+    if args.check {
+        // (B, Hq, Hkv, S, D, gain on q). A gain of 20 makes the softmax sharp (scores with a
+        // standard deviation of ~20), so row maxima jump by more than the forward's lazy
+        // rescaling threshold and its rescale path runs.
+        let mut shapes = vec![
+            (1, 4, 2, 1, 64, 1.0),
+            (2, 4, 2, 77, 64, 1.0),
+            (1, 4, 2, 200, 128, 1.0),
+            (1, 4, 4, 129, 128, 1.0),
+            (2, 4, 1, 65, 64, 1.0),
+            (1, 4, 2, 300, 64, 20.0),
+        ];
+        if !args.quick {
+            shapes.push((1, 4, 2, 1024, 128, 1.0));
+            shapes.push((1, 4, 2, 1024, 64, 1.0));
+            shapes.push((1, 2, 2, 333, 128, 1.0));
+            shapes.push((1, 4, 2, 1024, 128, 20.0));
+        }
+        for &variant in &variants {
+            for &(b, hq, hkv, s, d, gain) in &shapes {
+                if !check_case(&dev, variant, DType::BF16, b, hq, hkv, s, d, gain) {
+                    failures += 1;
+                }
+            }
+        }
+        if variants.contains(&FlashVariant::Plain) {
+            // The plain kernels also take f32; this isolates kernel logic from bf16 rounding.
+            for &(b, hq, hkv, s, d) in &[(2, 4, 2, 77, 64), (1, 4, 2, 200, 128)] {
+                if !check_case(&dev, FlashVariant::Plain, DType::F32, b, hq, hkv, s, d, 1.0) {
+                    failures += 1;
+                }
+            }
+        }
+        if failures == 0 {
+            println!("flash_check: all checks passed");
+        } else {
+            println!("flash_check: {failures} case(s) FAILED (see FAIL lines above)");
+        }
+    }
+
+    if args.bench {
+        let lens: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
+        for &variant in &variants {
+            for &s in lens {
+                // The plain kernels are ~10x slower; fewer iterations keep the run short.
+                let iters = if variant == FlashVariant::Plain {
+                    args.iters.min(3)
+                } else {
+                    args.iters
+                };
+                bench_case(&dev, variant, s, iters);
+            }
+        }
+    }
+
+    if failures > 0 {
+        std::process::exit(1);
+    }
+}
