@@ -87,18 +87,20 @@ fn check() -> bool {
     // cuBLAS): summation order only.
     for (dtype, tol) in [(DType::BF16, 2e-2f32), (DType::F32, 1e-5)] {
         for &(b, m, k, n) in &shapes {
-            let x = Tensor::<Cpu, 3>::random([b, m, k], Distribution::Normal(0.0, 1.0), &cpu)
+            // Drawn and rounded to `dtype` on the GPU (NdArray has no bf16), then copied to
+            // the CPU for the reference.
+            let x = Tensor::<B, 3>::random([b, m, k], Distribution::Normal(0.0, 1.0), &dev)
                 .cast(dtype)
                 .cast(DType::F32);
-            let w = Tensor::<Cpu, 2>::random([n, k], Distribution::Normal(0.0, 0.05), &cpu)
+            let w = Tensor::<B, 2>::random([n, k], Distribution::Normal(0.0, 0.05), &dev)
                 .cast(dtype)
                 .cast(DType::F32);
-            let r = Tensor::<Cpu, 3>::random([b, m, n], Distribution::Normal(0.0, 1.0), &cpu);
-            let reference = linear_grads(&x, &w, &r, DType::F32);
-            let to_gpu3 = |t: &Tensor<Cpu, 3>| Tensor::<B, 3>::from_data(t.to_data(), &dev);
-            let wg = Tensor::<B, 2>::from_data(w.to_data(), &dev);
+            let r = Tensor::<B, 3>::random([b, m, n], Distribution::Normal(0.0, 1.0), &dev);
+            let to_cpu3 = |t: &Tensor<B, 3>| Tensor::<Cpu, 3>::from_data(t.to_data(), &cpu);
+            let wc = Tensor::<Cpu, 2>::from_data(w.to_data(), &cpu);
+            let reference = linear_grads(&to_cpu3(&x), &wc, &to_cpu3(&r), DType::F32);
             set_fast_paths(FastPaths::ALL);
-            let ours = linear_grads(&to_gpu3(&x), &wg, &to_gpu3(&r), dtype);
+            let ours = linear_grads(&x, &w, &r, dtype);
             let e: Vec<f32> = (0..3).map(|i| rel_err(&ours[i], &reference[i])).collect();
             let pass = e.iter().all(|&v| v <= tol);
             ok &= pass;
@@ -162,11 +164,9 @@ fn check_attention() -> bool {
         let reference = run(DType::F32, false);
         let e: Vec<f32> = (0..4).map(|i| rel_err(&ours[i], &reference[i])).collect();
         // bf16 inputs and outputs, probabilities rounded to bf16 before P V (as flash-attention
-        // 2 does): 2e-2 of the largest value; S=1 has zero dq and dk, so absolute there.
+        // 2 does): 2e-2 of the largest value (absolute where the reference is all zero).
         let tol = 2e-2;
-        let pass = e.iter().enumerate().all(|(i, &v)| {
-            v <= tol || (s == 1 && (i == 1 || i == 2) && ours[i].iter().all(|x| x.abs() < 1e-4))
-        });
+        let pass = e.iter().all(|&v| v <= tol);
         ok &= pass;
         println!(
             "attention bf16 b{b} hq{hq} hkv{hkv} s{s} d{d}: rel err o {:.2e} dq {:.2e} dk {:.2e} dv {:.2e} {}",

@@ -244,8 +244,6 @@ pub struct ShardedUnit<B: AutodiffBackend, M: Module<B>> {
     deferred_full_grad: Option<Tensor<B::InnerBackend, 1>>,
     exp_avg: Tensor<B::InnerBackend, 1>,
     exp_avg_sq: Tensor<B::InnerBackend, 1>,
-    /// 1 where weight decay applies (matrices), 0 elsewhere (norm weights, padding).
-    decay_mask: Tensor<B::InnerBackend, 1>,
 }
 
 impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
@@ -263,15 +261,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         let rank = ctx.shard.rank();
         let layout = FlatLayout::of::<B, M>(&template, degree);
         let range = layout.shard_range(rank, degree);
-        let master = upload_shard::<B::InnerBackend>(&layout, range.clone(), &init, device)?;
-        // Weight decay applies to matrices only (not norms); built on the device, piece by piece.
-        let decay_mask = build_shard::<B::InnerBackend>(&layout, range, device, &|p, r| {
-            Ok(Tensor::full(
-                [r.len()],
-                if p.shape.len() >= 2 { 1.0 } else { 0.0 },
-                device,
-            ))
-        })?;
+        let master = upload_shard::<B::InnerBackend>(&layout, range, &init, device)?;
         let zeros = master.zeros_like();
         Ok(Self {
             name: name.into(),
@@ -284,7 +274,6 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             deferred_full_grad: None,
             exp_avg: zeros.clone(),
             exp_avg_sq: zeros,
-            decay_mask,
         })
     }
 
@@ -446,9 +435,25 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         let bias2 = 1.0 - b2.powi(step as i32);
         let denom = (self.exp_avg_sq.clone() / bias2).sqrt() + opt.eps;
         let update = self.exp_avg.clone() / bias1 / denom;
-        let decayed = self.master.clone()
-            - self.master.clone() * self.decay_mask.clone() * (lr * opt.weight_decay);
+        let decayed =
+            self.master.clone() - self.master.clone() * self.decay_mask() * (lr * opt.weight_decay);
         self.master = decayed - update * lr;
+    }
+
+    /// 1 where weight decay applies (matrices), 0 elsewhere (norm weights, padding), for this
+    /// rank's chunk. Rebuilt on the device at each step from the layout (a few fills per unit)
+    /// rather than kept: a stored f32 mask cost 4 bytes per parameter, a quarter of the state.
+    fn decay_mask(&self) -> Tensor<B::InnerBackend, 1> {
+        let device = self.master.device();
+        let range = self.layout.shard_range(self.rank, self.degree);
+        build_shard::<B::InnerBackend>(&self.layout, range, &device, &|p, r| {
+            Ok(Tensor::full(
+                [r.len()],
+                if p.shape.len() >= 2 { 1.0 } else { 0.0 },
+                &device,
+            ))
+        })
+        .expect("filling a mask cannot fail")
     }
 
     /// Bytes this rank holds for the unit: master weights, gradient, deferred gradient and the
