@@ -416,3 +416,52 @@ fn preset_parameter_counts() {
         assert_eq!(n, published, "{name}");
     }
 }
+
+/// A validation split smaller than one global batch turns evaluation off up front (with a
+/// warning) instead of failing the run after its last step; training itself is unaffected.
+#[test]
+fn too_small_validation_split_skips_evaluation() {
+    let fx = Fixture::new();
+    let mut config = fx.config("small_val");
+    config.steps = 2;
+    // 2% of 200 KB in 32-token windows is a few windows; 2 ranks x 64 sequences is more.
+    config.micro_batch = 64;
+    let summary = train(config, 2);
+    assert_eq!(summary.steps, 2);
+    assert_eq!(summary.final_val_loss, None);
+    assert!(summary.final_loss.is_finite());
+}
+
+/// `layers` replaces the preset's depth and nothing else.
+#[test]
+fn layers_override_changes_only_the_depth() {
+    let base = TrainConfig {
+        model: "7b".into(),
+        ..TrainConfig::default()
+    };
+    let deep = train::model_config(&base, 300).expect("7b");
+    let shallow = train::model_config(
+        &TrainConfig {
+            layers: Some(3),
+            ..base.clone()
+        },
+        300,
+    )
+    .expect("7b with 3 layers");
+    assert_eq!(shallow.num_hidden_layers, 3);
+    assert_eq!(
+        LlamaConfig {
+            num_hidden_layers: deep.num_hidden_layers,
+            ..shallow.clone()
+        },
+        deep
+    );
+    let zero = train::model_config(
+        &TrainConfig {
+            layers: Some(0),
+            ..base
+        },
+        300,
+    );
+    assert!(zero.is_err());
+}

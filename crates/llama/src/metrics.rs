@@ -48,6 +48,10 @@ pub struct StepMetrics {
     /// communication does not overlap compute.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_device_ms: Option<f64>,
+    /// Host time until forward and backward of the step were queued (before the optimizer);
+    /// close to the step time when the step is host-bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_issue_ms: Option<f64>,
 }
 
 fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
@@ -387,6 +391,7 @@ mod tests {
             peak_mem_bytes: Some(1 << 30),
             comm_wait_ms: None,
             comm_device_ms: None,
+            host_issue_ms: None,
         }
     }
 

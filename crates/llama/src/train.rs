@@ -506,6 +506,9 @@ pub fn train_rank<B: AutodiffBackend>(
                 None => loss,
             });
         }
+        // The host returns from queuing forward and backward long before the GPU finishes them
+        // unless the step is host-bound: this against the step time tells which one it is.
+        let issued = t0.elapsed().as_secs_f64();
         let stats = model.optimizer_step(&cfg.adamw, lr, step + 1, clip)?;
         let loss = groups
             .fsdp
@@ -550,6 +553,7 @@ pub fn train_rank<B: AutodiffBackend>(
                 peak_mem_bytes: memory_in_use(),
                 comm_wait_ms: Some(stats.comm.wait.as_secs_f64() * 1e3),
                 comm_device_ms: stats.comm.device.map(|d| d.as_secs_f64() * 1e3),
+                host_issue_ms: Some(issued * 1e3),
             })?;
         }
         if let Some(bar) = &bar {
@@ -565,10 +569,11 @@ pub fn train_rank<B: AutodiffBackend>(
         let eval_step = val_loss.is_some();
         if bar.is_none() && lead && (start_step % log_every == 0 || eval_step) {
             tracing::info!(
-                "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms | {tokens_per_sec:.0} tok/s{} | {:.1} GFLOP/s/device{} | grad norm {:.3} | comm wait {:.1} ms{}{}",
+                "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms (fwd+bwd issued in {:.0}) | {tokens_per_sec:.0} tok/s{} | {:.1} GFLOP/s/device{} | grad norm {:.3} | comm wait {:.1} ms{}{}",
                 cfg.steps,
                 val_loss.map(|v| format!(" val {v:.4}")).unwrap_or_default(),
                 dt * 1e3,
+                issued * 1e3,
                 if world > 1 {
                     format!(" ({:.0} per device)", tokens_per_sec / world as f64)
                 } else {
