@@ -99,6 +99,11 @@ struct Cli {
     /// Shard parameters across groups of this many ranks and replicate across groups (0 = all).
     #[arg(long)]
     hybrid_shard_degree: Option<usize>,
+    /// Start the next unit's all-gather before the current unit runs (1) or not (0, the
+    /// default). On CUDA the gather then runs beside the compute; that path is new and its gain
+    /// not yet measured on GPUs.
+    #[arg(long)]
+    prefetch_depth: Option<usize>,
     /// Recompute each block in the backward pass instead of storing its activations.
     #[arg(long)]
     activation_checkpointing: Option<bool>,
@@ -165,6 +170,9 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
     }
     if let Some(k) = cli.hybrid_shard_degree {
         c.parallel.hybrid_shard_degree = k;
+    }
+    if let Some(d) = cli.prefetch_depth {
+        c.parallel.prefetch_depth = d;
     }
     if let Some(a) = cli.activation_checkpointing {
         c.parallel.activation_checkpointing = a;

@@ -120,3 +120,26 @@ fn sharded_init_equals_unsharded_init() {
         }
     }
 }
+
+/// Prefetching the next unit's all-gather (`prefetch_depth = 1`) changes when collectives are
+/// started, not what they compute: 2- and 4-rank runs (4 = hybrid 2 x 2) with prefetch, with
+/// and without checkpointing, match the 1-rank run.
+#[test]
+fn prefetch_matches_one_rank() {
+    let reference = run(1, parallel(0, true), 1).remove(0);
+    for (world, sdp, checkpointing) in [(2, 0, true), (2, 0, false), (4, 2, true)] {
+        let config = ParallelConfig {
+            prefetch_depth: 1,
+            ..parallel(sdp, checkpointing)
+        };
+        for (rank, r) in run(world, config, 1).iter().enumerate() {
+            assert_matches(
+                &reference,
+                r,
+                &format!(
+                    "{world} ranks, sdp {sdp}, checkpointing {checkpointing}, prefetch, rank {rank}"
+                ),
+            );
+        }
+    }
+}

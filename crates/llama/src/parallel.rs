@@ -10,6 +10,7 @@
 use std::ops::Range;
 
 use burn::tensor::{Int, Tensor, backend::AutodiffBackend};
+use smp_burn::PendingGather;
 use smp_burn::fsdp::{
     AdamW, CommStats, FlatParam, FsdpContext, ShardedUnit, StateKind, clip_factor,
 };
@@ -135,8 +136,20 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         let (cos, sin) = self.rope(seq);
         let ctx = &self.ctx;
 
+        // With prefetch, a unit's all-gather is started before the previous unit's compute is
+        // queued and waited for only when the unit runs, so on CUDA the two overlap. The order
+        // of collectives is the same on every rank either way.
+        let prefetch = ctx.prefetch;
+        let n = self.layers.len();
+        let mut next_layer: Option<PendingGather<B::InnerBackend>> = None;
+        let mut next_other: Option<PendingGather<B::InnerBackend>> = None;
+
         // Forward through the embedding; its input has no gradient, so no graph is needed.
-        let embed = self.embed.gather(ctx, false)?;
+        let embed_full = self.embed.start_gather(ctx)?.wait()?;
+        if prefetch && n > 0 {
+            next_layer = Some(self.layers[0].start_gather(ctx)?);
+        }
+        let embed = self.embed.assemble(embed_full, false);
         let mut x = embed.forward(tokens.clone()).detach();
         drop(embed);
 
@@ -149,15 +162,26 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                 output: Tensor<B, 3>,
             },
         }
-        let mut saved: Vec<Saved<B>> = Vec::with_capacity(self.layers.len());
-        for unit in &self.layers {
+        let mut saved: Vec<Saved<B>> = Vec::with_capacity(n);
+        for (i, unit) in self.layers.iter().enumerate() {
+            let full = match next_layer.take() {
+                Some(p) => p.wait()?,
+                None => unit.start_gather(ctx)?.wait()?,
+            };
+            if prefetch {
+                if i + 1 < n {
+                    next_layer = Some(self.layers[i + 1].start_gather(ctx)?);
+                } else {
+                    next_other = Some(self.head.start_gather(ctx)?);
+                }
+            }
             if self.checkpointing {
-                let layer = unit.gather(ctx, false)?;
+                let layer = unit.assemble(full, false);
                 let y = layer.forward(x.clone(), cos.clone(), sin.clone()).detach();
                 saved.push(Saved::Input(x.inner()));
                 x = y;
             } else {
-                let layer = unit.gather(ctx, true)?;
+                let layer = unit.assemble(full, true);
                 let input = x.require_grad();
                 let output = layer.forward(input.clone(), cos.clone(), sin.clone());
                 x = Tensor::from_inner(output.clone().inner());
@@ -170,7 +194,20 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         }
 
         // Head: loss forward and backward.
-        let head = self.head.gather(ctx, true)?;
+        let head_full = match next_other.take() {
+            Some(p) => p.wait()?,
+            None => self.head.start_gather(ctx)?.wait()?,
+        };
+        if prefetch {
+            // The backward's first gather: the last layer's (recomputed with checkpointing),
+            // else the embedding's (the only unit the backward gathers without it).
+            if self.checkpointing && n > 0 {
+                next_layer = Some(self.layers[n - 1].start_gather(ctx)?);
+            } else {
+                next_other = Some(self.embed.start_gather(ctx)?);
+            }
+        }
+        let head = self.head.assemble(head_full, true);
         let x = x.require_grad();
         let loss = head.loss(x.clone(), targets);
         let local_loss = loss.clone().inner();
@@ -182,10 +219,22 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         drop((head, grads));
 
         // Layers in reverse, propagating the gradient of each layer's output to its input.
-        for (unit, saved) in self.layers.iter_mut().zip(saved).rev() {
+        for i in (0..n).rev() {
+            let saved = saved.pop().expect("one saved entry per layer");
             let (module, input, output) = match saved {
                 Saved::Input(input) => {
-                    let layer = unit.gather(ctx, true)?;
+                    let full = match next_layer.take() {
+                        Some(p) => p.wait()?,
+                        None => self.layers[i].start_gather(ctx)?.wait()?,
+                    };
+                    if prefetch {
+                        if i > 0 {
+                            next_layer = Some(self.layers[i - 1].start_gather(ctx)?);
+                        } else {
+                            next_other = Some(self.embed.start_gather(ctx)?);
+                        }
+                    }
+                    let layer = self.layers[i].assemble(full, true);
                     let input = Tensor::<B, 3>::from_inner(input).require_grad();
                     let output = layer.forward(input.clone(), cos.clone(), sin.clone());
                     (layer, input, output)
@@ -200,11 +249,15 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
             grad = input
                 .grad(&grads)
                 .expect("a layer's input takes part in its output");
-            unit.accumulate_grads(&module, &grads, ctx, defer)?;
+            self.layers[i].accumulate_grads(&module, &grads, ctx, defer)?;
         }
 
         // Embedding: its gradient is a scatter of the incoming one.
-        let embed = self.embed.gather(ctx, true)?;
+        let embed_full = match next_other.take() {
+            Some(p) => p.wait()?,
+            None => self.embed.start_gather(ctx)?.wait()?,
+        };
+        let embed = self.embed.assemble(embed_full, true);
         let y = embed.forward(tokens);
         let grads = (y * Tensor::from_inner(grad)).sum().backward();
         self.embed.accumulate_grads(&embed, &grads, ctx, defer)?;

@@ -30,11 +30,69 @@ pub trait TensorComm<B: Backend>: Send + Sync + std::fmt::Debug {
     fn all_reduce(&self, t: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, SmpError>;
     /// Every rank gets `root`'s tensor.
     fn broadcast(&self, t: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>, SmpError>;
+    /// Starts an all-gather whose result [`PendingGather::wait`] hands out. Implementations that
+    /// can run it beside the work queued between the two calls (CUDA) do; the default gathers
+    /// at once.
+    fn all_gather_start(&self, shard: Tensor<B, 1>) -> Result<PendingGather<B>, SmpError> {
+        Ok(PendingGather::ready(self.all_gather(shard)?))
+    }
     /// Device time the collectives queued since the last call took to run, where the
     /// implementation measures it (CUDA events around each NCCL call); `None` elsewhere. Waits
     /// for those collectives to finish.
     fn take_device_time(&self) -> Result<Option<std::time::Duration>, SmpError> {
         Ok(None)
+    }
+}
+
+/// An all-gather in flight (see [`TensorComm::all_gather_start`]). Its output may be read only
+/// after [`Self::wait`]; dropping it unwaited still orders later work after it.
+pub struct PendingGather<B: Backend> {
+    out: Option<Tensor<B, 1>>,
+    finish: Option<Box<dyn FnOnce() -> Result<(), SmpError>>>,
+}
+
+impl<B: Backend> std::fmt::Debug for PendingGather<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingGather")
+            .field("in_flight", &self.finish.is_some())
+            .finish()
+    }
+}
+
+impl<B: Backend> PendingGather<B> {
+    /// A gather that has already completed.
+    pub fn ready(out: Tensor<B, 1>) -> Self {
+        Self {
+            out: Some(out),
+            finish: None,
+        }
+    }
+
+    /// A gather whose `out` becomes readable once `finish` has run (it makes later work wait
+    /// for the collective and releases what the collective held).
+    pub fn in_flight(out: Tensor<B, 1>, finish: Box<dyn FnOnce() -> Result<(), SmpError>>) -> Self {
+        Self {
+            out: Some(out),
+            finish: Some(finish),
+        }
+    }
+
+    /// The gathered tensor, ordered after the collective.
+    pub fn wait(mut self) -> Result<Tensor<B, 1>, SmpError> {
+        if let Some(f) = self.finish.take() {
+            f()?;
+        }
+        Ok(self.out.take().expect("output taken once"))
+    }
+}
+
+impl<B: Backend> Drop for PendingGather<B> {
+    fn drop(&mut self) {
+        if let Some(f) = self.finish.take() {
+            if let Err(e) = f() {
+                tracing::warn!("finishing an unwaited all-gather: {e}");
+            }
+        }
     }
 }
 

@@ -45,6 +45,10 @@ pub struct ParallelConfig {
     /// Free gathered parameters after a unit's forward and gather them again for its backward.
     /// Implied by activation checkpointing.
     pub reshard_after_forward: bool,
+    /// Units whose all-gather is started ahead of use: 0 = gather each unit when it runs; 1 =
+    /// start the next unit's gather before the current unit's compute is queued, so that on
+    /// CUDA the two run side by side. Deeper prefetch is not supported.
+    pub prefetch_depth: usize,
 }
 
 impl Default for ParallelConfig {
@@ -56,6 +60,7 @@ impl Default for ParallelConfig {
             reduce_dtype: Precision::F32,
             activation_checkpointing: true,
             reshard_after_forward: true,
+            prefetch_depth: 0,
         }
     }
 }
@@ -84,6 +89,12 @@ impl ParallelDims {
         if !world.is_multiple_of(tp) {
             return Err(SmpError::Config(format!(
                 "tensor_parallel_degree {tp} does not divide the world size {world}"
+            )));
+        }
+        if config.prefetch_depth > 1 {
+            return Err(SmpError::Config(format!(
+                "prefetch_depth {}: only 0 (off) and 1 (the next unit) are supported",
+                config.prefetch_depth
             )));
         }
         let dp = world / tp;
@@ -118,6 +129,16 @@ impl ParallelDims {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefetch_deeper_than_one_is_rejected() {
+        let c = ParallelConfig {
+            prefetch_depth: 2,
+            ..Default::default()
+        };
+        let e = ParallelDims::new(&c, 2).unwrap_err().to_string();
+        assert!(e.contains("prefetch_depth 2"), "{e}");
+    }
 
     fn cfg(sdp: usize, tp: usize) -> ParallelConfig {
         ParallelConfig {

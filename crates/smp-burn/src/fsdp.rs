@@ -54,7 +54,7 @@ use burn::tensor::{
 };
 use collectives::ReduceOp;
 
-use crate::comm::TensorComm;
+use crate::comm::{PendingGather, TensorComm};
 use crate::config::ParallelConfig;
 use crate::error::SmpError;
 
@@ -69,6 +69,8 @@ pub struct FsdpContext<IB: Backend> {
     pub param_dtype: FloatDType,
     /// Dtype gradients are reduced in.
     pub reduce_dtype: FloatDType,
+    /// Start the next unit's all-gather before the current unit runs (`prefetch_depth` 1).
+    pub prefetch: bool,
     stats: Arc<std::sync::Mutex<CommStats>>,
 }
 
@@ -99,6 +101,7 @@ impl<IB: Backend> FsdpContext<IB> {
             replicate,
             param_dtype: config.param_dtype.dtype(),
             reduce_dtype: config.reduce_dtype.dtype(),
+            prefetch: config.prefetch_depth > 0,
             stats: Default::default(),
         }
     }
@@ -289,12 +292,28 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         ctx: &FsdpContext<B::InnerBackend>,
         track_grad: bool,
     ) -> Result<M, SmpError> {
+        let full = self.start_gather(ctx)?.wait()?;
+        Ok(self.assemble(full, track_grad))
+    }
+
+    /// Starts gathering the full flat parameters in the compute dtype (see
+    /// [`TensorComm::all_gather_start`]); [`Self::assemble`] turns the waited result into the
+    /// module. Queuing other work between the two lets it run beside the gather on CUDA.
+    pub fn start_gather(
+        &self,
+        ctx: &FsdpContext<B::InnerBackend>,
+    ) -> Result<PendingGather<B::InnerBackend>, SmpError> {
         let shard = self.master.clone().cast(ctx.param_dtype);
-        let full = if self.degree == 1 {
-            shard
+        if self.degree == 1 {
+            Ok(PendingGather::ready(shard))
         } else {
-            ctx.timed(|| ctx.shard.all_gather(shard))?
-        };
+            ctx.timed(|| ctx.shard.all_gather_start(shard))
+        }
+    }
+
+    /// The module with the parameters of `full` (from [`Self::start_gather`]); with
+    /// `track_grad` every parameter is an autodiff leaf.
+    pub fn assemble(&self, full: Tensor<B::InnerBackend, 1>, track_grad: bool) -> M {
         struct Unflatten<'a, IB: Backend> {
             full: Tensor<IB, 1>,
             layout: &'a FlatLayout,
@@ -332,7 +351,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             next: 0,
             track_grad,
         };
-        Ok(self.template.clone().map(&mut mapper))
+        self.template.clone().map(&mut mapper)
     }
 
     /// Collects the gradients of a module returned by [`Self::gather`] from `grads`,

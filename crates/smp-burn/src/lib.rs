@@ -17,6 +17,6 @@ pub mod fsdp;
 pub mod init;
 pub mod ops;
 
-pub use comm::{HostTensorComm, TensorComm};
+pub use comm::{HostTensorComm, PendingGather, TensorComm};
 pub use config::{ParallelConfig, ParallelDims, Precision};
 pub use error::SmpError;

@@ -37,7 +37,7 @@ use cubecl::Runtime;
 use cubecl::cuda::CudaRuntime;
 use cudarc::driver::{CudaContext, CudaStream, sys as ds};
 
-use crate::comm::TensorComm;
+use crate::comm::{PendingGather, TensorComm};
 use crate::error::SmpError;
 
 /// Burn's CubeCL CUDA backend without the fusion layer: the backend smp-burn trains on.
@@ -431,6 +431,68 @@ fn timing_event() -> Result<Event, SmpError> {
 }
 
 impl<B: CudaTensors> TensorComm<B> for CudaTensorComm {
+    /// Queues the all-gather on the comm stream after Burn's queued work, but does not make
+    /// Burn's later work wait for it until [`PendingGather::wait`]: kernels queued in between
+    /// run beside the collective. The buffers stay pinned until then.
+    fn all_gather_start(&self, shard: Tensor<B, 1>) -> Result<PendingGather<B>, SmpError> {
+        let ordering = *self.ordering.lock().unwrap_or_else(|p| p.into_inner());
+        if ordering != Ordering::Events {
+            return Ok(PendingGather::ready(TensorComm::<B>::all_gather(
+                self, shard,
+            )?));
+        }
+        let n = shard.dims()[0];
+        let world = self.nccl.world_size();
+        let device = shard.device();
+        self.check_device("all_gather", &device)?;
+        let out = Tensor::<B, 1>::empty([n * world], (&device, shard.dtype()));
+        if n == 0 {
+            return Ok(PendingGather::ready(out));
+        }
+        let (src, dst) = (pin_tensor(&shard)?, pin_tensor(&out)?);
+        let b = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
+        b.burn_to_comm()?;
+        let timing = (timing_event()?, timing_event()?);
+        let done =
+            cudarc::driver::result::event::create(ds::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map(Event)
+                .map_err(|e| cuda_err("cuEventCreate", e))?;
+        // SAFETY: live events and stream of the bridge's context (made current by
+        // `burn_to_comm`); the buffers are pinned and hold n and n * world elements.
+        unsafe {
+            cudarc::driver::result::event::record(timing.0.0, b.stream())
+                .map_err(|e| cuda_err("cuEventRecord", e))?;
+            self.nccl
+                .all_gather(src.ptr, dst.ptr, n, src.dtype, b.stream())?;
+            cudarc::driver::result::event::record(timing.1.0, b.stream())
+                .map_err(|e| cuda_err("cuEventRecord", e))?;
+            cudarc::driver::result::event::record(done.0, b.stream())
+                .map_err(|e| cuda_err("cuEventRecord", e))?;
+        }
+        self.timings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(timing);
+        let ctx = b.ctx.clone();
+        drop(b);
+        let keep = (src, dst, shard);
+        Ok(PendingGather::in_flight(
+            out,
+            Box::new(move || {
+                ctx.bind_to_thread()
+                    .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+                // SAFETY: `done` was recorded on the comm stream of this context.
+                unsafe { ds::cuCtxWaitEvent(ctx.cu_ctx(), done.0) }
+                    .result()
+                    .map_err(|e| cuda_err("cuCtxWaitEvent", e))?;
+                // Released only now that every later kernel waits for the collective.
+                drop(keep);
+                drop(done);
+                Ok(())
+            }),
+        ))
+    }
+
     fn take_device_time(&self) -> Result<Option<std::time::Duration>, SmpError> {
         let pairs = std::mem::take(&mut *self.timings.lock().unwrap_or_else(|p| p.into_inner()));
         let b = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
