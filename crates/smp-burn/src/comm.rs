@@ -88,10 +88,10 @@ impl<B: Backend> PendingGather<B> {
 
 impl<B: Backend> Drop for PendingGather<B> {
     fn drop(&mut self) {
-        if let Some(f) = self.finish.take() {
-            if let Err(e) = f() {
-                tracing::warn!("finishing an unwaited all-gather: {e}");
-            }
+        if let Some(f) = self.finish.take()
+            && let Err(e) = f()
+        {
+            tracing::warn!("finishing an unwaited all-gather: {e}");
         }
     }
 }
