@@ -19,14 +19,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor, backend::Backend};
-use burn_cuda::{Cuda, CudaDevice};
+use burn_cuda::CudaDevice;
 use collectives::{CommOptions, Communicator, CommunicatorExt, DType, ReduceOp};
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use half::bf16;
 use smp_burn::TensorComm;
 use smp_burn::cuda::{CudaTensorComm, Ordering, cuda_device_count};
 
-type B = Cuda<bf16, i32>;
+/// The trainer's backend (plain CubeCL, no fusion): pinning a buffer is then one call to
+/// CubeCL's server instead of a fusion resolve plus that call.
+type B = smp_burn::cuda::CudaCube<bf16, i32>;
 
 const OPS: [&str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"];
 
