@@ -296,6 +296,223 @@ pub fn load_safetensors_dir(dir: impl AsRef<Path>) -> Result<TensorMap> {
     Ok(out)
 }
 
+/// A checkpoint directory opened for reading slices of its tensors.
+///
+/// Only the safetensors headers are read when it is opened; values are read from disk on
+/// demand, one requested range at a time. Each rank of a sharded model reads just its own
+/// chunks: loading a 70B checkpoint no longer means every rank holding all of it in f32.
+#[derive(Debug)]
+pub struct CheckpointReader {
+    tensors: BTreeMap<String, StoredTensor>,
+}
+
+#[derive(Debug)]
+struct StoredTensor {
+    path: PathBuf,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Absolute byte offset of the first element in the file.
+    start: u64,
+}
+
+fn dtype_size(d: Dtype) -> Option<usize> {
+    match d {
+        Dtype::BF16 | Dtype::F16 => Some(2),
+        Dtype::F32 => Some(4),
+        Dtype::F64 => Some(8),
+        _ => None,
+    }
+}
+
+impl CheckpointReader {
+    /// Reads the headers of `model.safetensors`, or of the shards a `model.safetensors.index.json`
+    /// lists. A truncated file, a header that does not parse, a tensor in a format other than
+    /// BF16/F16/F32/F64, or a tensor the index promises but its shard lacks is an error naming
+    /// the file and the tensor.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let index_path = dir.join(INDEX_FILE);
+        let single = dir.join(SINGLE_FILE);
+        let mut tensors = BTreeMap::new();
+        if index_path.exists() {
+            for (file, names) in read_index(&index_path)? {
+                let path = dir.join(&file);
+                let mut header = read_header(&path)?;
+                for name in names {
+                    let t = header.remove(&name).ok_or_else(|| {
+                        LlamaError::checkpoint(
+                            &path,
+                            format!("tensor {name} is listed for this shard in {INDEX_FILE} but the shard does not contain it"),
+                        )
+                    })?;
+                    tensors.insert(name, t);
+                }
+            }
+        } else if single.exists() {
+            tensors = read_header(&single)?;
+        } else {
+            return Err(LlamaError::checkpoint(
+                dir,
+                format!("no {SINGLE_FILE} or {INDEX_FILE} in this directory"),
+            ));
+        }
+        Ok(Self { tensors })
+    }
+
+    /// Every tensor's name and shape.
+    pub fn shapes(&self) -> BTreeMap<String, Vec<usize>> {
+        self.tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shape.clone()))
+            .collect()
+    }
+
+    /// Elements `range` (flat, row-major) of tensor `name`, converted to f32.
+    pub fn read(&self, name: &str, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| LlamaError::Config(format!("the checkpoint has no tensor {name}")))?;
+        let numel: usize = t.shape.iter().product();
+        if range.end > numel || range.start > range.end {
+            return Err(LlamaError::checkpoint(
+                &t.path,
+                format!("elements {range:?} of tensor {name} requested, it has {numel}"),
+            ));
+        }
+        let size = dtype_size(t.dtype).expect("checked when opened");
+        let mut bytes = vec![0u8; range.len() * size];
+        let mut f = std::fs::File::open(&t.path).map_err(|e| LlamaError::io(&t.path, e))?;
+        f.seek(SeekFrom::Start(t.start + (range.start * size) as u64))
+            .and_then(|_| f.read_exact(&mut bytes))
+            .map_err(|e| LlamaError::io(&t.path, e))?;
+        Ok(decode(&bytes, t.dtype))
+    }
+}
+
+/// Values of a little-endian buffer of `dtype` (one of the four float formats) as f32.
+fn decode(bytes: &[u8], dtype: Dtype) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        Dtype::F64 => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().expect("chunk of 8")) as f32)
+            .collect(),
+        _ => unreachable!("dtype checked when the header was read"),
+    }
+}
+
+/// The tensors a safetensors file's header describes, checked against the file's size.
+fn read_header(path: &Path) -> Result<BTreeMap<String, StoredTensor>> {
+    use std::io::Read;
+    #[derive(Deserialize)]
+    struct Entry {
+        dtype: Dtype,
+        shape: Vec<usize>,
+        data_offsets: (usize, usize),
+    }
+    let bad = |msg: String| {
+        LlamaError::checkpoint(
+            path,
+            format!("not a valid safetensors file (truncated?): {msg}"),
+        )
+    };
+    let mut f = std::fs::File::open(path).map_err(|e| LlamaError::io(path, e))?;
+    let file_len = f.metadata().map_err(|e| LlamaError::io(path, e))?.len();
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).map_err(|_| {
+        bad(format!(
+            "{file_len} bytes, shorter than the header length field"
+        ))
+    })?;
+    let n = u64::from_le_bytes(n);
+    if n > 100_000_000 || 8 + n > file_len {
+        return Err(bad(format!("header of {n} bytes in a file of {file_len}")));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header)
+        .map_err(|e| LlamaError::io(path, e))?;
+    let raw: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+    let data_start = 8 + n;
+    let mut out = BTreeMap::new();
+    for (name, value) in raw {
+        if name == "__metadata__" {
+            continue;
+        }
+        let e: Entry =
+            serde_json::from_value(value).map_err(|e| bad(format!("tensor {name}: {e}")))?;
+        let Some(size) = dtype_size(e.dtype) else {
+            return Err(LlamaError::checkpoint(
+                path,
+                format!(
+                    "tensor {name} has dtype {:?}; only BF16, F16, F32 and F64 can be loaded",
+                    e.dtype
+                ),
+            ));
+        };
+        let numel: usize = e.shape.iter().product();
+        let (lo, hi) = e.data_offsets;
+        if hi < lo || hi - lo != numel * size {
+            return Err(bad(format!(
+                "tensor {name}: {} bytes for shape {:?} of {:?}",
+                hi.saturating_sub(lo),
+                e.shape,
+                e.dtype
+            )));
+        }
+        if data_start + hi as u64 > file_len {
+            return Err(bad(format!(
+                "tensor {name} ends at byte {} but the file has {file_len}",
+                data_start + hi as u64
+            )));
+        }
+        out.insert(
+            name,
+            StoredTensor {
+                path: path.to_path_buf(),
+                dtype: e.dtype,
+                shape: e.shape,
+                start: data_start + lo as u64,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// Checks a checkpoint's tensor shapes against the model's (see [`check_tensors`]).
+pub fn check_shapes(
+    expected: &[(String, Vec<usize>)],
+    got: &BTreeMap<String, Vec<usize>>,
+    path: &Path,
+) -> Result<()> {
+    let map: TensorMap = got
+        .iter()
+        .map(|(n, shape)| {
+            (
+                n.clone(),
+                HostTensor {
+                    shape: shape.clone(),
+                    data: Vec::new(),
+                },
+            )
+        })
+        .collect();
+    check_tensors(expected, &map, path)
+}
+
 /// Shard file name → tensor names, from an index's `weight_map`.
 fn read_index(path: &Path) -> Result<BTreeMap<String, Vec<String>>> {
     #[derive(Deserialize)]
@@ -332,33 +549,16 @@ fn parse_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<SafeTensors<'a>
 }
 
 fn to_host(view: &TensorView<'_>, name: &str, path: &Path) -> Result<HostTensor> {
-    let bytes = view.data();
-    let data: Vec<f32> = match view.dtype() {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        Dtype::F64 => bytes
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().expect("chunk of 8")) as f32)
-            .collect(),
-        other => {
-            return Err(LlamaError::checkpoint(
-                path,
-                format!(
-                    "tensor {name} has dtype {other:?}; only BF16, F16, F32 and F64 can be loaded"
-                ),
-            ));
-        }
-    };
+    if dtype_size(view.dtype()).is_none() {
+        return Err(LlamaError::checkpoint(
+            path,
+            format!(
+                "tensor {name} has dtype {:?}; only BF16, F16, F32 and F64 can be loaded",
+                view.dtype()
+            ),
+        ));
+    }
+    let data = decode(view.data(), view.dtype());
     HostTensor::new(view.shape().to_vec(), data)
         .map_err(|e| LlamaError::checkpoint(path, format!("tensor {name}: {e}")))
 }
@@ -776,6 +976,55 @@ mod tests {
         let err = save_hf_dir(&dir, &cfg(), &t, SaveDType::F32, 1024, None).unwrap_err();
         assert!(err.to_string().contains("notes.txt"), "{err}");
         assert!(dir.join("notes.txt").exists());
+    }
+
+    /// The slice reader returns exactly what the whole-file loader does, for any range, from
+    /// single and sharded checkpoints in every stored dtype; damaged files fail when opened.
+    #[test]
+    fn checkpoint_reader_slices_match_the_full_load() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tensors();
+        for (i, (dtype, shard_bytes)) in [
+            (SaveDType::F32, u64::MAX),
+            (SaveDType::BF16, 1024),
+            (SaveDType::F16, u64::MAX),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let dir = tmp.path().join(format!("ckpt{i}"));
+            save_hf_dir(&dir, &cfg(), &t, dtype, shard_bytes, None).unwrap();
+            let full = load_safetensors_dir(&dir).unwrap();
+            let reader = CheckpointReader::open(&dir).unwrap();
+            let shapes: BTreeMap<String, Vec<usize>> = full
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shape.clone()))
+                .collect();
+            assert_eq!(reader.shapes(), shapes);
+            for (name, whole) in &full {
+                let n = whole.data.len();
+                for range in [0..n, 0..1, n / 3..n - n / 4, n - 1..n, 5..5] {
+                    assert_eq!(
+                        reader.read(name, range.clone()).unwrap(),
+                        whole.data[range.clone()],
+                        "{name} {range:?} ({dtype:?})"
+                    );
+                }
+                assert!(reader.read(name, 0..n + 1).is_err());
+            }
+            assert!(reader.read("model.ghost", 0..1).is_err());
+        }
+        let dir = tmp.path().join("ckpt0");
+        let file = dir.join(SINGLE_FILE);
+        let bytes = std::fs::read(&file).unwrap();
+        std::fs::write(&file, &bytes[..bytes.len() - 100]).unwrap();
+        let err = CheckpointReader::open(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains(SINGLE_FILE) && err.contains("ends at byte"),
+            "{err}"
+        );
+        std::fs::write(&file, &bytes[..4]).unwrap();
+        assert!(CheckpointReader::open(&dir).is_err());
     }
 
     #[test]

@@ -740,20 +740,21 @@ fn named_map(items: Vec<(String, Vec<usize>, Vec<f32>)>) -> Result<TensorMap> {
         .collect()
 }
 
-fn load_checked(dir: &Path, config: &LlamaConfig) -> Result<TensorMap> {
-    let tensors = hf::load_safetensors_dir(dir)?;
-    hf::check_tensors(&crate::model::parameter_shapes(config), &tensors, dir)?;
-    Ok(tensors)
+/// Opens a checkpoint directory and checks its tensor names and shapes against the model; the
+/// values are read later, each rank only its own chunks.
+fn load_checked(dir: &Path, config: &LlamaConfig) -> Result<hf::CheckpointReader> {
+    let reader = hf::CheckpointReader::open(dir)?;
+    hf::check_shapes(
+        &crate::model::parameter_shapes(config),
+        &reader.shapes(),
+        dir,
+    )?;
+    Ok(reader)
 }
 
-fn map_init<'a>(tensors: &'a TensorMap, path: &'a Path) -> Box<ParamInit<'a>> {
+fn map_init<'a>(reader: &'a hf::CheckpointReader, _path: &'a Path) -> Box<ParamInit<'a>> {
     Box::new(
-        move |name: &str, _shape: &[usize], range: std::ops::Range<usize>| {
-            let t = tensors
-                .get(name)
-                .ok_or_else(|| LlamaError::checkpoint(path, format!("tensor {name} is missing")))?;
-            Ok(t.data[range].to_vec())
-        },
+        move |name: &str, _shape: &[usize], range: std::ops::Range<usize>| reader.read(name, range),
     )
 }
 
