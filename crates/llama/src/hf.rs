@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, TensorView};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -262,38 +262,17 @@ pub fn hf_config_json(cfg: &LlamaConfig, dtype: SaveDType) -> serde_json::Value 
 /// `model.safetensors`. A damaged file, a tensor in another format than BF16/F16/F32/F64, or a
 /// tensor the index promises but its shard lacks is an error naming the file (and tensor).
 pub fn load_safetensors_dir(dir: impl AsRef<Path>) -> Result<TensorMap> {
-    let dir = dir.as_ref();
-    let index_path = dir.join(INDEX_FILE);
-    let single = dir.join(SINGLE_FILE);
-    let mut out = TensorMap::new();
-    if index_path.exists() {
-        for (file, names) in read_index(&index_path)? {
-            let path = dir.join(&file);
-            let bytes = std::fs::read(&path).map_err(|e| LlamaError::io(&path, e))?;
-            let st = parse_safetensors(&bytes, &path)?;
-            for name in names {
-                let view = st.tensor(&name).map_err(|_| {
-                    LlamaError::checkpoint(
-                        &path,
-                        format!("tensor {name} is listed for this shard in {INDEX_FILE} but the shard does not contain it"),
-                    )
-                })?;
-                out.insert(name.clone(), to_host(&view, &name, &path)?);
-            }
-        }
-    } else if single.exists() {
-        let bytes = std::fs::read(&single).map_err(|e| LlamaError::io(&single, e))?;
-        let st = parse_safetensors(&bytes, &single)?;
-        for (name, view) in st.iter() {
-            out.insert(name.to_string(), to_host(&view, name, &single)?);
-        }
-    } else {
-        return Err(LlamaError::checkpoint(
-            dir,
-            format!("no {SINGLE_FILE} or {INDEX_FILE} in this directory"),
-        ));
-    }
-    Ok(out)
+    let reader = CheckpointReader::open(dir)?;
+    reader
+        .tensors
+        .iter()
+        .map(|(name, t)| {
+            let data = reader.read(name, 0..t.shape.iter().product())?;
+            let tensor = HostTensor::new(t.shape.clone(), data)
+                .map_err(|e| LlamaError::checkpoint(&t.path, format!("tensor {name}: {e}")))?;
+            Ok((name.clone(), tensor))
+        })
+        .collect()
 }
 
 /// A checkpoint directory opened for reading slices of its tensors.
@@ -537,30 +516,6 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, Vec<String>>> {
         return Err(LlamaError::checkpoint(path, "weight_map is empty"));
     }
     Ok(shards)
-}
-
-fn parse_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<SafeTensors<'a>> {
-    SafeTensors::deserialize(bytes).map_err(|e| {
-        LlamaError::checkpoint(
-            path,
-            format!("not a valid safetensors file (truncated?): {e}"),
-        )
-    })
-}
-
-fn to_host(view: &TensorView<'_>, name: &str, path: &Path) -> Result<HostTensor> {
-    if dtype_size(view.dtype()).is_none() {
-        return Err(LlamaError::checkpoint(
-            path,
-            format!(
-                "tensor {name} has dtype {:?}; only BF16, F16, F32 and F64 can be loaded",
-                view.dtype()
-            ),
-        ));
-    }
-    let data = decode(view.data(), view.dtype());
-    HostTensor::new(view.shape().to_vec(), data)
-        .map_err(|e| LlamaError::checkpoint(path, format!("tensor {name}: {e}")))
 }
 
 /// Writes a complete Hugging Face checkpoint directory at `dir`.
@@ -907,7 +862,7 @@ mod tests {
         assert_eq!(config["head_dim"], 16);
         // The safetensors header carries the metadata PyTorch loaders look for.
         let bytes = std::fs::read(dir.join(SINGLE_FILE)).unwrap();
-        let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
         assert_eq!(meta.metadata().as_ref().unwrap()["format"], "pt");
         // Only the export is left: no temporary or old directories.
         let entries: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();

@@ -145,7 +145,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         let mut next_other: Option<PendingGather<B::InnerBackend>> = None;
 
         // Forward through the embedding; its input has no gradient, so no graph is needed.
-        let embed_full = self.embed.start_gather(ctx)?.wait()?;
+        let embed_full = gathered(None, &self.embed, ctx)?;
         if prefetch && n > 0 {
             next_layer = Some(self.layers[0].start_gather(ctx)?);
         }
@@ -164,10 +164,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         }
         let mut saved: Vec<Saved<B>> = Vec::with_capacity(n);
         for (i, unit) in self.layers.iter().enumerate() {
-            let full = match next_layer.take() {
-                Some(p) => p.wait()?,
-                None => unit.start_gather(ctx)?.wait()?,
-            };
+            let full = gathered(next_layer.take(), unit, ctx)?;
             if prefetch {
                 if i + 1 < n {
                     next_layer = Some(self.layers[i + 1].start_gather(ctx)?);
@@ -194,10 +191,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         }
 
         // Head: loss forward and backward.
-        let head_full = match next_other.take() {
-            Some(p) => p.wait()?,
-            None => self.head.start_gather(ctx)?.wait()?,
-        };
+        let head_full = gathered(next_other.take(), &self.head, ctx)?;
         if prefetch {
             // The backward's first gather: the last layer's (recomputed with checkpointing),
             // else the embedding's (the only unit the backward gathers without it).
@@ -223,10 +217,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
             let saved = saved.pop().expect("one saved entry per layer");
             let (module, input, output) = match saved {
                 Saved::Input(input) => {
-                    let full = match next_layer.take() {
-                        Some(p) => p.wait()?,
-                        None => self.layers[i].start_gather(ctx)?.wait()?,
-                    };
+                    let full = gathered(next_layer.take(), &self.layers[i], ctx)?;
                     if prefetch {
                         if i > 0 {
                             next_layer = Some(self.layers[i - 1].start_gather(ctx)?);
@@ -253,10 +244,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         }
 
         // Embedding: its gradient is a scatter of the incoming one.
-        let embed_full = match next_other.take() {
-            Some(p) => p.wait()?,
-            None => self.embed.start_gather(ctx)?.wait()?,
-        };
+        let embed_full = gathered(next_other.take(), &self.embed, ctx)?;
         let embed = self.embed.assemble(embed_full, true);
         let y = embed.forward(tokens);
         let grads = (y * Tensor::from_inner(grad)).sum().backward();
@@ -398,6 +386,19 @@ impl<E: burn::tensor::ElementConversion> ElemF64 for E {
     fn elem_f64(self) -> f64 {
         self.elem::<f64>()
     }
+}
+
+/// A unit's full flat parameters: the prefetched gather when there is one, else gathered now.
+fn gathered<B: AutodiffBackend, M: burn::module::Module<B>>(
+    prefetched: Option<PendingGather<B::InnerBackend>>,
+    unit: &ShardedUnit<B, M>,
+    ctx: &FsdpContext<B::InnerBackend>,
+) -> Result<Tensor<B::InnerBackend, 1>> {
+    let pending = match prefetched {
+        Some(p) => p,
+        None => unit.start_gather(ctx)?,
+    };
+    Ok(pending.wait()?)
 }
 
 /// Adapts a model-level [`ParamInit`] to one unit's infallible initializer: the first error is

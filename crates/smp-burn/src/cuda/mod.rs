@@ -374,15 +374,54 @@ impl CudaTensorComm {
         call: impl FnOnce(u64, u64, DType, ds::CUstream) -> Result<(), CommError>,
     ) -> Result<Tensor<B, 1>, SmpError> {
         let device = input.device();
-        self.check_device(op, &device)?;
-        let out = Tensor::empty([out_len], (&device, input.dtype()));
-        if out_len == 0 || input.dims()[0] == 0 {
+        let (out, pins) = self.prepare(op, &input, out_len)?;
+        let Some((src, dst)) = pins else {
             return Ok(out);
-        }
-        let (src, dst) = (pin_tensor(&input)?, pin_tensor(&out)?);
+        };
         let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
         self.ordered::<B>(&device, vec![src, dst], |s| call(sp, dp, dt, s))?;
         Ok(out)
+    }
+
+    /// Checks the device and allocates a collective's output of `out_len` elements in the
+    /// input's dtype; pins input and output unless either is empty (nothing to run then).
+    fn prepare<B: CudaTensors>(
+        &self,
+        op: &str,
+        input: &Tensor<B, 1>,
+        out_len: usize,
+    ) -> Result<(Tensor<B, 1>, Option<InputOutputPins>), SmpError> {
+        let device = input.device();
+        self.check_device(op, &device)?;
+        let out = Tensor::empty([out_len], (&device, input.dtype()));
+        if out_len == 0 || input.dims()[0] == 0 {
+            return Ok((out, None));
+        }
+        let pins = (pin_tensor(input)?, pin_tensor(&out)?);
+        Ok((out, Some(pins)))
+    }
+
+    /// Runs `f` (which queues NCCL work on the comm stream) between a pair of timing events,
+    /// kept for [`TensorComm::take_device_time`]. The start event runs once the comm stream
+    /// has waited for Burn's work, so the pair times NCCL alone.
+    fn timed_on_comm(
+        &self,
+        b: &StreamBridge,
+        f: impl FnOnce(ds::CUstream) -> Result<(), CommError>,
+    ) -> Result<(), SmpError> {
+        let timing = (timing_event()?, timing_event()?);
+        // SAFETY: live events and stream of the bridge's (current) context.
+        unsafe { cudarc::driver::result::event::record(timing.0.0, b.stream()) }
+            .map_err(|e| cuda_err("cuEventRecord", e))?;
+        f(b.stream())?;
+        // SAFETY: as above.
+        unsafe { cudarc::driver::result::event::record(timing.1.0, b.stream()) }
+            .map_err(|e| cuda_err("cuEventRecord", e))?;
+        self.timings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(timing);
+        Ok(())
     }
 
     fn ordered<B: CudaTensors>(
@@ -396,21 +435,8 @@ impl CudaTensorComm {
         match ordering {
             Ordering::Events => {
                 b.burn_to_comm()?;
-                // The start event runs once the comm stream has waited for Burn's work, so
-                // the pair times NCCL alone.
-                let timing = (timing_event()?, timing_event()?);
-                // SAFETY: live events and stream of the bridge's (current) context.
-                unsafe { cudarc::driver::result::event::record(timing.0.0, b.stream()) }
-                    .map_err(|e| cuda_err("cuEventRecord", e))?;
-                f(b.stream())?;
-                // SAFETY: as above.
-                unsafe { cudarc::driver::result::event::record(timing.1.0, b.stream()) }
-                    .map_err(|e| cuda_err("cuEventRecord", e))?;
+                self.timed_on_comm(&b, f)?;
                 b.comm_to_burn()?;
-                self.timings
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(timing);
             }
             Ordering::HostSync => {
                 B::sync(device).map_err(|e| cuda_err("Burn sync", e))?;
@@ -423,6 +449,9 @@ impl CudaTensorComm {
         Ok(())
     }
 }
+
+/// A collective's pinned input and output.
+type InputOutputPins = (PinnedBuffer, PinnedBuffer);
 
 fn timing_event() -> Result<Event, SmpError> {
     cudarc::driver::result::event::create(ds::CUevent_flags::CU_EVENT_DEFAULT)
@@ -442,37 +471,24 @@ impl<B: CudaTensors> TensorComm<B> for CudaTensorComm {
             )?));
         }
         let n = shard.dims()[0];
-        let world = self.nccl.world_size();
-        let device = shard.device();
-        self.check_device("all_gather", &device)?;
-        let out = Tensor::<B, 1>::empty([n * world], (&device, shard.dtype()));
-        if n == 0 {
+        let (out, pins) = self.prepare("all_gather", &shard, n * self.nccl.world_size())?;
+        let Some((src, dst)) = pins else {
             return Ok(PendingGather::ready(out));
-        }
-        let (src, dst) = (pin_tensor(&shard)?, pin_tensor(&out)?);
-        let b = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
-        b.burn_to_comm()?;
-        let timing = (timing_event()?, timing_event()?);
+        };
         let done =
             cudarc::driver::result::event::create(ds::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map(Event)
                 .map_err(|e| cuda_err("cuEventCreate", e))?;
-        // SAFETY: live events and stream of the bridge's context (made current by
-        // `burn_to_comm`); the buffers are pinned and hold n and n * world elements.
-        unsafe {
-            cudarc::driver::result::event::record(timing.0.0, b.stream())
-                .map_err(|e| cuda_err("cuEventRecord", e))?;
-            self.nccl
-                .all_gather(src.ptr, dst.ptr, n, src.dtype, b.stream())?;
-            cudarc::driver::result::event::record(timing.1.0, b.stream())
-                .map_err(|e| cuda_err("cuEventRecord", e))?;
-            cudarc::driver::result::event::record(done.0, b.stream())
-                .map_err(|e| cuda_err("cuEventRecord", e))?;
-        }
-        self.timings
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(timing);
+        let b = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
+        b.burn_to_comm()?;
+        self.timed_on_comm(&b, |stream| {
+            // SAFETY: the buffers are pinned and hold n and n * world elements, on the
+            // communicator's device (checked by `prepare`).
+            unsafe { self.nccl.all_gather(src.ptr, dst.ptr, n, src.dtype, stream) }
+        })?;
+        // SAFETY: a live event and the comm stream of the bridge's (current) context.
+        unsafe { cudarc::driver::result::event::record(done.0, b.stream()) }
+            .map_err(|e| cuda_err("cuEventRecord", e))?;
         let ctx = b.ctx.clone();
         drop(b);
         let keep = (src, dst, shard);
