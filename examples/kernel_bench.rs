@@ -28,7 +28,10 @@ fn device() -> burn_cuda::CudaDevice {
 
 type Cpu = burn::backend::NdArray<f32>;
 
-/// max |a - b| / max |b|, on the host.
+/// max |a - b| / max |b|, on the host. The scale is floored at 1e-3 because some exact results
+/// are zero (attention's dq and dk at sequence length 1: softmax over one key has no gradient),
+/// where the reference holds 0 and ours f32 rounding noise; inputs are N(0, 1), so any real
+/// error shows far above that floor.
 fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     let diff = a
         .iter()
@@ -36,7 +39,7 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0f32, f32::max);
     let scale = b.iter().map(|y| y.abs()).fold(0.0f32, f32::max);
-    diff / scale.max(f32::MIN_POSITIVE)
+    diff / scale.max(1e-3)
 }
 
 fn host<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
@@ -164,7 +167,7 @@ fn check_attention() -> bool {
         let reference = run(DType::F32, false);
         let e: Vec<f32> = (0..4).map(|i| rel_err(&ours[i], &reference[i])).collect();
         // bf16 inputs and outputs, probabilities rounded to bf16 before P V (as flash-attention
-        // 2 does): 2e-2 of the largest value (absolute where the reference is all zero).
+        // 2 does): 2e-2 of the largest value (of 1e-3 where the reference is all zero).
         let tol = 2e-2;
         let pass = e.iter().all(|&v| v <= tol);
         ok &= pass;
