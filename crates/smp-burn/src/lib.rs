@@ -3,7 +3,9 @@
 //!
 //! The parts: [`config`] (an SMP-style [`ParallelConfig`] and the validated mesh shape),
 //! [`comm`] (collectives on Burn tensors), [`fsdp`] (sharded units with fp32 master weights and
-//! AdamW on shards), [`init`] (counter-based initialization so each rank builds only its shard),
+//! AdamW on shards), [`tp`] (tensor and sequence parallelism: autodiff-aware collectives over
+//! the tensor-parallel group), [`init`] (counter-based initialization so each rank builds only
+//! its shard),
 //! [`ops`] (reference transformer ops every fused kernel must match), [`fast`] (the switchable
 //! dispatch from those ops to cuBLAS and our kernels on CUDA) and [`cuda`] (the bridge to
 //! Burn's CUDA runtime for NCCL and cuBLAS).
@@ -16,6 +18,7 @@ pub mod fast;
 pub mod fsdp;
 pub mod init;
 pub mod ops;
+pub mod tp;
 
 pub use comm::{HostTensorComm, PendingGather, TensorComm};
 pub use config::{ParallelConfig, ParallelDims, Precision};
