@@ -436,6 +436,24 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         self.grad.as_ref().map(|g| g.clone().square().sum())
     }
 
+    /// [`Self::grad_sq_sum`] with each parameter's squares multiplied by `weight(param)`. With
+    /// tensor parallelism a parameter every tp rank holds whole (a norm weight) is weighted by
+    /// `1 / tp`, so that summing over the tp group counts it once in the global norm, while each
+    /// rank's slice of a split weight counts fully.
+    pub fn grad_sq_sum_weighted(
+        &self,
+        weight: &dyn Fn(&FlatParam) -> f32,
+    ) -> Option<Tensor<B::InnerBackend, 1>> {
+        let g = self.grad.as_ref()?;
+        let device = g.device();
+        let range = self.layout.shard_range(self.rank, self.degree);
+        let w = build_shard::<B::InnerBackend>(&self.layout, range, &device, &|p, r| {
+            Ok(Tensor::full([r.len()], weight(p), &device))
+        })
+        .expect("filling weights cannot fail");
+        Some((g.clone().square() * w).sum())
+    }
+
     /// One AdamW step on this rank's shard, scaling the gradient by `grad_scale` (the clipping
     /// factor), then clears the gradient.
     pub fn adamw_step(
@@ -446,6 +464,22 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         grad_scale: Tensor<B::InnerBackend, 1>,
     ) {
         let Some(grad) = self.grad.take() else { return };
+        if let Some([master, exp_avg, exp_avg_sq]) = crate::cuda::adamw::dispatch(
+            [
+                &self.master,
+                &self.exp_avg,
+                &self.exp_avg_sq,
+                &grad,
+                &grad_scale,
+            ],
+            opt,
+            lr,
+            step,
+            &self.decay_runs(),
+        ) {
+            (self.master, self.exp_avg, self.exp_avg_sq) = (master, exp_avg, exp_avg_sq);
+            return;
+        }
         let g = grad * grad_scale;
         let (b1, b2) = (opt.beta1, opt.beta2);
         self.exp_avg = self.exp_avg.clone() * b1 + g.clone() * (1.0 - b1);
@@ -459,20 +493,30 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         self.master = decayed - update * lr;
     }
 
+    /// This rank's chunk as runs of elements that share a weight-decay flag.
+    fn decay_runs(&self) -> Vec<(Range<usize>, bool)> {
+        decay_runs(
+            &self.layout,
+            self.layout.shard_range(self.rank, self.degree),
+        )
+    }
+
     /// 1 where weight decay applies (matrices), 0 elsewhere (norm weights, padding), for this
-    /// rank's chunk. Rebuilt on the device at each step from the layout (a few fills per unit)
-    /// rather than kept: a stored f32 mask cost 4 bytes per parameter, a quarter of the state.
+    /// rank's chunk. Rebuilt on the device at each step from the layout (one fill per run of
+    /// equal flags) rather than kept: a stored f32 mask cost 4 bytes per parameter, a quarter
+    /// of the state.
     fn decay_mask(&self) -> Tensor<B::InnerBackend, 1> {
         let device = self.master.device();
-        let range = self.layout.shard_range(self.rank, self.degree);
-        build_shard::<B::InnerBackend>(&self.layout, range, &device, &|p, r| {
-            Ok(Tensor::full(
-                [r.len()],
-                if p.shape.len() >= 2 { 1.0 } else { 0.0 },
-                &device,
-            ))
-        })
-        .expect("filling a mask cannot fail")
+        let mut fills: Vec<Tensor<B::InnerBackend, 1>> = self
+            .decay_runs()
+            .into_iter()
+            .map(|(r, decays)| Tensor::full([r.len()], if decays { 1.0 } else { 0.0 }, &device))
+            .collect();
+        match fills.len() {
+            0 => Tensor::zeros([0], &device),
+            1 => fills.pop().expect("one run"),
+            _ => Tensor::cat(fills, 0),
+        }
     }
 
     /// Bytes this rank holds for the unit: master weights, gradient, deferred gradient and the
@@ -588,6 +632,34 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
 /// parameter that fall inside it; padding is zero.
 /// Produces the device values of elements `range` of one parameter.
 type ShardPiece<'a, IB> = dyn Fn(&FlatParam, Range<usize>) -> Result<Tensor<IB, 1>, SmpError> + 'a;
+
+/// Elements `range` of a unit's flat buffer as runs that share a weight-decay flag (matrices
+/// decay; norm weights and padding do not), in coordinates relative to `range.start`. The
+/// reference AdamW builds its mask from them and the fused kernel launches once per run.
+fn decay_runs(layout: &FlatLayout, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
+    fn push(runs: &mut Vec<(Range<usize>, bool)>, r: Range<usize>, decays: bool) {
+        match runs.last_mut() {
+            _ if r.is_empty() => {}
+            Some((last, d)) if *d == decays && last.end == r.start => last.end = r.end,
+            _ => runs.push((r, decays)),
+        }
+    }
+    let mut runs = Vec::new();
+    for p in &layout.params {
+        let lo = p.offset.max(range.start);
+        let hi = (p.offset + p.numel).min(range.end);
+        if lo < hi {
+            push(
+                &mut runs,
+                lo - range.start..hi - range.start,
+                p.shape.len() >= 2,
+            );
+        }
+    }
+    let covered = runs.last().map_or(0, |(r, _)| r.end);
+    push(&mut runs, covered..range.len(), false);
+    runs
+}
 
 /// This rank's shard as one f32 device tensor, made of the pieces `piece(param, range within the
 /// param)` returns for each parameter overlapping `range`, plus the zero padding at the end.
@@ -707,5 +779,54 @@ trait ToF64 {
 impl<E: burn::tensor::ElementConversion> ToF64 for E {
     fn to_f64_lossy(self) -> f64 {
         self.elem::<f64>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(shapes: &[&[usize]], degree: usize) -> FlatLayout {
+        let mut offset = 0;
+        let params = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let numel = s.iter().product();
+                let p = FlatParam {
+                    name: format!("p{i}"),
+                    shape: s.to_vec(),
+                    offset,
+                    numel,
+                };
+                offset += numel;
+                p
+            })
+            .collect();
+        FlatLayout {
+            params,
+            numel: offset,
+            padded: offset.div_ceil(degree) * degree,
+        }
+    }
+
+    #[test]
+    fn decay_runs_merge_neighbours_and_cover_padding() {
+        // A Llama layer's order: matrices, then two norm vectors; 2 x 3 + 3 x 2 + 4 + 4 = 20
+        // elements, padded to 21 for 3 ranks (7 each).
+        let l = layout(&[&[2, 3], &[3, 2], &[4], &[4]], 3);
+        assert_eq!(decay_runs(&l, l.shard_range(0, 3)), vec![(0..7, true)]);
+        assert_eq!(
+            decay_runs(&l, l.shard_range(1, 3)),
+            vec![(0..5, true), (5..7, false)]
+        );
+        assert_eq!(decay_runs(&l, l.shard_range(2, 3)), vec![(0..7, false)]);
+        // Interleaved flags and a rank holding only padding.
+        let l = layout(&[&[3], &[2, 2], &[1]], 4);
+        assert_eq!(
+            decay_runs(&l, 0..8),
+            vec![(0..3, false), (3..7, true), (7..8, false)]
+        );
+        assert_eq!(decay_runs(&l, 8..10), vec![(0..2, false)]);
     }
 }

@@ -18,6 +18,7 @@
 //! Nothing here touches CUDA until a caller asks for it: [`cuda_device_count`] returns 0 on a
 //! machine without libcuda, and the rest is only reached with CUDA tensors in hand.
 
+pub mod adamw;
 pub mod attention;
 pub mod flash;
 pub mod gemm;

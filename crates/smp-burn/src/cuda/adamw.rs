@@ -1,0 +1,226 @@
+//! AdamW on a flat f32 shard in one CubeCL kernel.
+//!
+//! Written with Burn's tensor ops, one AdamW step is about twenty elementwise passes over the
+//! shard (scale, two moment updates, bias corrections, square root, decay, update) plus the
+//! decay mask's fills: on a 7B model's 3.4-billion-element shard (two ranks) that is some 700 GB
+//! of memory traffic, 190 ms of a 1.4 s step. The fused kernel reads the weight, gradient and
+//! two moments once and writes weight and moments once: 28 bytes per parameter, in place.
+//!
+//! Weight decay applies to matrices only; a shard is a concatenation of parameter pieces, so the
+//! caller passes runs of elements that share a decay factor and the kernel is launched once per
+//! run (two launches for a Llama layer: its matrices come first, its norms last).
+
+use std::ops::Range;
+
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+
+type Cube = CubeTensor<CudaRuntime>;
+
+const THREADS: usize = 256;
+/// Elements per launch: keeps every index below 2^31 whatever the kernel's index width.
+const MAX_CHUNK: usize = 1 << 28;
+
+/// AdamW's hyper-parameters for one step, with the bias corrections already folded in.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Added to the denominator.
+    pub eps: f32,
+    /// `1 / (1 - beta1^step)`.
+    pub inv_bias1: f32,
+    /// `1 / (1 - beta2^step)`.
+    pub inv_bias2: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+}
+
+/// One thread per element: the reference update of `fsdp::ShardedUnit::adamw_step`, fused.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn adamw_kernel(
+    master: &mut Tensor<f32>,
+    exp_avg: &mut Tensor<f32>,
+    exp_avg_sq: &mut Tensor<f32>,
+    grad: &Tensor<f32>,
+    grad_scale: &Tensor<f32>,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    one_minus_beta1: f32,
+    one_minus_beta2: f32,
+    eps: f32,
+    inv_bias1: f32,
+    inv_bias2: f32,
+    decay: f32,
+    len: u32,
+) {
+    let i = ABSOLUTE_POS;
+    if i < len as usize {
+        let g = grad[i] * grad_scale[0];
+        let m = exp_avg[i] * beta1 + g * one_minus_beta1;
+        let v = exp_avg_sq[i] * beta2 + g * g * one_minus_beta2;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        let denom = (v * inv_bias2).sqrt() + eps;
+        let p = master[i];
+        master[i] = p - p * decay - (m * inv_bias1 / denom) * lr;
+    }
+}
+
+/// A view of elements `range` of a contiguous 1-D f32 tensor, sharing its buffer.
+fn view(t: &Cube, range: Range<usize>) -> Cube {
+    let total = t.meta.shape()[0];
+    let handle = t
+        .handle
+        .clone()
+        .offset_start((range.start * 4) as u64)
+        .offset_end(((total - range.end) * 4) as u64);
+    CubeTensor::new_contiguous(
+        t.client.clone(),
+        t.device.clone(),
+        [range.len()].into(),
+        handle,
+        burn::tensor::DType::F32,
+    )
+}
+
+/// A buffer the kernel may overwrite: `t` itself when nothing else holds it, else a copy (a
+/// checkpoint writer or a gather in flight may still read the old values).
+fn writable(t: Cube) -> Cube {
+    if t.can_mut() && t.is_contiguous_buffer() {
+        t
+    } else {
+        t.copy()
+    }
+}
+
+/// Runs AdamW over a shard in place and returns `(master, exp_avg, exp_avg_sq)`.
+///
+/// `decay_runs` lists `(element range, decays)` covering the shard; elements in a run with
+/// `decays = false` (norm weights, padding) get no weight decay. `grad_scale` is a one-element
+/// f32 tensor (the clipping factor, computed on the device: no host sync).
+pub fn adamw_step(
+    master: Cube,
+    exp_avg: Cube,
+    exp_avg_sq: Cube,
+    grad: Cube,
+    grad_scale: Cube,
+    hp: AdamWStep,
+    decay_runs: &[(Range<usize>, bool)],
+) -> (Cube, Cube, Cube) {
+    let len = master.meta.shape()[0];
+    for (name, t) in [
+        ("exp_avg", &exp_avg),
+        ("exp_avg_sq", &exp_avg_sq),
+        ("grad", &grad),
+    ] {
+        assert_eq!(
+            t.meta.shape()[0],
+            len,
+            "fused AdamW: {name} has {} elements, the master shard {len}",
+            t.meta.shape()[0]
+        );
+    }
+    for t in [&master, &exp_avg, &exp_avg_sq, &grad, &grad_scale] {
+        assert_eq!(t.dtype, burn::tensor::DType::F32, "fused AdamW takes f32");
+    }
+    let master = writable(master);
+    let exp_avg = writable(exp_avg);
+    let exp_avg_sq = writable(exp_avg_sq);
+    let grad = if grad.is_contiguous_buffer() {
+        grad
+    } else {
+        grad.copy()
+    };
+    let client = master.client.clone();
+    for (run, decays) in decay_runs {
+        let decay = if *decays {
+            hp.lr * hp.weight_decay
+        } else {
+            0.0
+        };
+        let mut start = run.start;
+        while start < run.end {
+            let end = (start + MAX_CHUNK).min(run.end);
+            let n = end - start;
+            // SAFETY: the four views hold `n` elements each (shapes checked above) and the kernel
+            // guards `i < n`; `grad_scale` has one element.
+            unsafe {
+                adamw_kernel::launch_unchecked::<CudaRuntime>(
+                    &client,
+                    CubeCount::Static(n.div_ceil(THREADS) as u32, 1, 1),
+                    CubeDim::new_1d(THREADS as u32),
+                    view(&master, start..end).into_tensor_arg(),
+                    view(&exp_avg, start..end).into_tensor_arg(),
+                    view(&exp_avg_sq, start..end).into_tensor_arg(),
+                    view(&grad, start..end).into_tensor_arg(),
+                    grad_scale.clone().into_tensor_arg(),
+                    hp.lr,
+                    hp.beta1,
+                    hp.beta2,
+                    1.0 - hp.beta1,
+                    1.0 - hp.beta2,
+                    hp.eps,
+                    hp.inv_bias1,
+                    hp.inv_bias2,
+                    decay,
+                    n as u32,
+                );
+            }
+            start = end;
+        }
+    }
+    (master, exp_avg, exp_avg_sq)
+}
+
+/// The fused step when `B` is [`super::CudaCube`] (the trainer's CUDA backend); `None` means
+/// "run the reference ops". Tensors: `[master, exp_avg, exp_avg_sq, grad, grad_scale]`.
+pub(crate) fn dispatch<B: burn::tensor::backend::Backend>(
+    tensors: [&burn::tensor::Tensor<B, 1>; 5],
+    opt: &crate::fsdp::AdamW,
+    lr: f64,
+    step: u64,
+    decay_runs: &[(Range<usize>, bool)],
+) -> Option<[burn::tensor::Tensor<B, 1>; 3]> {
+    use std::any::Any;
+    let any: [&dyn Any; 5] = tensors.map(|t| t as &dyn Any);
+    let cube = |a: &dyn Any| {
+        a.downcast_ref::<burn::tensor::Tensor<super::CudaCube, 1>>()
+            .map(|t| t.clone().into_primitive().tensor())
+    };
+    let [m, a, s, g, k] = any;
+    let (master, exp_avg, exp_avg_sq, grad, scale) =
+        (cube(m)?, cube(a)?, cube(s)?, cube(g)?, cube(k)?);
+    if [&master, &exp_avg, &exp_avg_sq, &grad, &scale]
+        .iter()
+        .any(|t| t.dtype != burn::tensor::DType::F32)
+    {
+        return None;
+    }
+    let hp = AdamWStep {
+        lr: lr as f32,
+        beta1: opt.beta1 as f32,
+        beta2: opt.beta2 as f32,
+        eps: opt.eps as f32,
+        inv_bias1: (1.0 / (1.0 - opt.beta1.powi(step as i32))) as f32,
+        inv_bias2: (1.0 / (1.0 - opt.beta2.powi(step as i32))) as f32,
+        weight_decay: opt.weight_decay as f32,
+    };
+    let out = adamw_step(master, exp_avg, exp_avg_sq, grad, scale, hp, decay_runs);
+    let wrap = |t: Cube| -> burn::tensor::Tensor<B, 1> {
+        let t = burn::tensor::Tensor::<super::CudaCube, 1>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(t),
+        );
+        *(Box::new(t) as Box<dyn Any>)
+            .downcast::<burn::tensor::Tensor<B, 1>>()
+            .unwrap_or_else(|_| unreachable!("B is CudaCube: the downcasts above succeeded"))
+    };
+    Some([wrap(out.0), wrap(out.1), wrap(out.2)])
+}
