@@ -9,15 +9,22 @@
 //!
 //! Every fast path can be switched off, for A/B runs and for bisecting a wrong result: with
 //! [`set_fast_paths`] or the environment variable `SMP_BURN_FAST` (`all`, the default; `none`;
-//! or a comma list such as `gemm,attention`).
+//! or a comma list such as `gemm,attention,norm`).
+//!
+//! The fused LM-head loss (`loss`) is the exception to "CUDA only": its chunked autodiff op is
+//! written with Burn's tensor ops, so it also serves `NdArray<f32>` (with and without autodiff),
+//! where the CPU tests check it against the reference.
 
 use std::any::{Any, TypeId};
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use burn::tensor::{Tensor, backend::Backend};
+use burn::backend::Autodiff;
+use burn::tensor::{DType, Int, Tensor, TensorPrimitive, backend::Backend};
+use burn_ndarray::NdArray;
 
 use crate::cuda::gemm::{self, CudaAutodiff};
-use crate::cuda::{CudaCube, attention};
+use crate::cuda::{CudaCube, attention, fused};
+use crate::ops;
 
 /// Which fast paths are on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,21 +33,41 @@ pub struct FastPaths {
     pub gemm: bool,
     /// Causal attention through the flash kernels (bf16/f16, head dim 64 or 128).
     pub attention: bool,
+    /// RMSNorm through the fused kernels (forward and backward).
+    pub norm: bool,
+    /// Rotary embeddings through the fused kernels.
+    pub rope: bool,
+    /// The SwiGLU gate through the fused kernels.
+    pub swiglu: bool,
+    /// `ops::linear_cross_entropy` through the chunked LM-head loss (CUDA and NdArray).
+    pub loss: bool,
 }
+
+/// The path names [`FastPaths::parse`] accepts, in bit order.
+const NAMES: [&str; 6] = ["gemm", "attention", "norm", "rope", "swiglu", "loss"];
 
 impl FastPaths {
     /// Every fast path on.
     pub const ALL: Self = Self {
         gemm: true,
         attention: true,
+        norm: true,
+        rope: true,
+        swiglu: true,
+        loss: true,
     };
     /// Only the reference ops.
     pub const NONE: Self = Self {
         gemm: false,
         attention: false,
+        norm: false,
+        rope: false,
+        swiglu: false,
+        loss: false,
     };
 
-    /// Parses `all`, `none` or a comma list of path names (`gemm`, `attention`).
+    /// Parses `all`, `none` or a comma list of path names (`gemm`, `attention`, `norm`,
+    /// `rope`, `swiglu`, `loss`).
     pub fn parse(s: &str) -> Result<Self, String> {
         match s.trim() {
             "" | "all" => return Ok(Self::ALL),
@@ -49,27 +76,53 @@ impl FastPaths {
         }
         let mut p = Self::NONE;
         for name in s.split(',').map(str::trim) {
-            match name {
-                "gemm" => p.gemm = true,
-                "attention" => p.attention = true,
+            let flag = match name {
+                "gemm" => &mut p.gemm,
+                "attention" => &mut p.attention,
+                "norm" => &mut p.norm,
+                "rope" => &mut p.rope,
+                "swiglu" => &mut p.swiglu,
+                "loss" => &mut p.loss,
                 other => {
                     return Err(format!(
-                        "unknown fast path {other:?} (known: gemm, attention; or all / none)"
+                        "unknown fast path {other:?} (known: {}; or all / none)",
+                        NAMES.join(", ")
                     ));
                 }
-            }
+            };
+            *flag = true;
         }
         Ok(p)
     }
 
+    fn flags(self) -> [bool; 6] {
+        [
+            self.gemm,
+            self.attention,
+            self.norm,
+            self.rope,
+            self.swiglu,
+            self.loss,
+        ]
+    }
+
+    /// Bit 0 marks "set"; bit `i + 1` is flag `i` of [`Self::flags`].
     fn bits(self) -> u8 {
-        1 | (self.gemm as u8) << 1 | (self.attention as u8) << 2
+        self.flags()
+            .iter()
+            .enumerate()
+            .fold(1, |b, (i, &on)| b | (on as u8) << (i + 1))
     }
 
     fn from_bits(b: u8) -> Self {
+        let on = |i: usize| b & (1 << (i + 1)) != 0;
         Self {
-            gemm: b & 2 != 0,
-            attention: b & 4 != 0,
+            gemm: on(0),
+            attention: on(1),
+            norm: on(2),
+            rope: on(3),
+            swiglu: on(4),
+            loss: on(5),
         }
     }
 }
@@ -156,6 +209,207 @@ pub(crate) fn causal_attention<B: Backend>(
     }
 }
 
+/// The input gradients of a linear layer (`dx = dy w`, `dw = dy^T x`, as requested) through
+/// cuBLAS in one ordered batch when `B` is the plain CUDA backend (the chunked loss's backward
+/// runs on the inner backend); `None` means "use Burn's matmul".
+#[allow(clippy::type_complexity)]
+pub(crate) fn linear_grads<B: Backend>(
+    dy: &Tensor<B, 2>,
+    x: &Tensor<B, 2>,
+    w: &Tensor<B, 2>,
+    want_dx: bool,
+    want_dw: bool,
+) -> Option<(Option<Tensor<B, 2>>, Option<Tensor<B, 2>>)> {
+    if !fast_paths().gemm
+        || TypeId::of::<B>() != TypeId::of::<CudaCube>()
+        || !gemm::supports(dy.dtype(), w.dtype())
+        || x.dtype() != w.dtype()
+    {
+        return None;
+    }
+    let prim = |t: &Tensor<B, 2>| {
+        same::<_, Tensor<CudaCube, 2>>(t.clone())
+            .into_primitive()
+            .tensor()
+    };
+    let back = |t: burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>| {
+        same::<_, Tensor<B, 2>>(Tensor::<CudaCube, 2>::from_primitive(
+            TensorPrimitive::Float(t),
+        ))
+    };
+    let (dx, dw) = gemm::linear_backward(
+        prim(dy),
+        want_dw.then(|| prim(x)),
+        want_dx.then(|| prim(w)),
+        &x.shape(),
+    );
+    Some((dx.map(back), dw.map(back)))
+}
+
+/// Whether a float dtype is one the fused kernels take.
+fn fused_dtype(d: DType) -> bool {
+    matches!(d, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// RMSNorm over the last dimension through the fused kernels when `B` is the CUDA backend and
+/// the dtypes allow; `None` means "use the reference".
+pub(crate) fn rms_norm<B: Backend, const D: usize>(
+    x: &Tensor<B, D>,
+    w: &Tensor<B, 1>,
+    eps: f64,
+) -> Option<Tensor<B, D>> {
+    let dims = x.dims();
+    let hidden = dims[D - 1];
+    let rows: usize = dims[..D - 1].iter().product();
+    if !fast_paths().norm
+        || x.dtype() != w.dtype()
+        || !fused_dtype(x.dtype())
+        || w.dims() != [hidden]
+        || rows == 0
+        || !fused::rms_norm_supports(hidden)
+    {
+        return None;
+    }
+    let b = TypeId::of::<B>();
+    if b == TypeId::of::<CudaAutodiff>() {
+        let y = fused::rms_norm_autodiff(
+            same(x.clone().reshape([rows, hidden])),
+            same(w.clone()),
+            eps,
+        );
+        Some(same::<_, Tensor<B, 2>>(y).reshape(dims))
+    } else if b == TypeId::of::<CudaCube>() {
+        let y = fused::rms_norm_plain(
+            same(x.clone().reshape([rows, hidden])),
+            same(w.clone()),
+            eps,
+        );
+        Some(same::<_, Tensor<B, 2>>(y).reshape(dims))
+    } else {
+        None
+    }
+}
+
+/// `silu(gate) * up` through the fused kernels when `B` is the CUDA backend; `None` means "use
+/// the reference".
+pub(crate) fn swiglu<B: Backend, const D: usize>(
+    gate: &Tensor<B, D>,
+    up: &Tensor<B, D>,
+) -> Option<Tensor<B, D>> {
+    if !fast_paths().swiglu
+        || gate.dtype() != up.dtype()
+        || !fused_dtype(gate.dtype())
+        || gate.dims() != up.dims()
+        || gate.shape().num_elements() == 0
+    {
+        return None;
+    }
+    let b = TypeId::of::<B>();
+    if b == TypeId::of::<CudaAutodiff>() {
+        Some(same(fused::swiglu_autodiff::<D>(
+            same(gate.clone()),
+            same(up.clone()),
+        )))
+    } else if b == TypeId::of::<CudaCube>() {
+        Some(same(fused::swiglu_plain::<D>(
+            same(gate.clone()),
+            same(up.clone()),
+        )))
+    } else {
+        None
+    }
+}
+
+/// Rotary embeddings through the fused kernels when `B` is the CUDA backend, the tables are
+/// constants (not differentiated) and the shapes match; `None` means "use the reference".
+pub(crate) fn rope<B: Backend>(
+    x: &Tensor<B, 4>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+) -> Option<Tensor<B, 4>> {
+    let [_, _, seq, head_dim] = x.dims();
+    if !fast_paths().rope
+        || !fused_dtype(x.dtype())
+        || !fused_dtype(cos.dtype())
+        || !fused_dtype(sin.dtype())
+        || cos.dims() != [seq, head_dim]
+        || sin.dims() != [seq, head_dim]
+        || !head_dim.is_multiple_of(2)
+        || x.shape().num_elements() == 0
+        || cos.is_require_grad()
+        || sin.is_require_grad()
+    {
+        return None;
+    }
+    let b = TypeId::of::<B>();
+    if b == TypeId::of::<CudaAutodiff>() {
+        let inner = |t: &Tensor<B, 2>| same::<_, Tensor<CudaAutodiff, 2>>(t.clone()).inner();
+        let y = fused::rope_autodiff(same(x.clone()), inner(cos), inner(sin));
+        Some(same(y))
+    } else if b == TypeId::of::<CudaCube>() {
+        let y = fused::rope_plain(same(x.clone()), same(cos.clone()), same(sin.clone()));
+        Some(same(y))
+    } else {
+        None
+    }
+}
+
+/// `ops::linear_cross_entropy` through the chunked loss ([`ops::linear_cross_entropy_chunked`]
+/// with [`ops::default_loss_chunk_tokens`]) on the backends it was checked on: the CUDA backend
+/// and `NdArray<f32>`, each with and without autodiff. `None` means "use the reference".
+pub(crate) fn linear_cross_entropy<B: Backend>(
+    x: &Tensor<B, 2>,
+    w: &Tensor<B, 2>,
+    targets: &Tensor<B, 1, Int>,
+) -> Option<Tensor<B, 1>> {
+    let [tokens, _] = x.dims();
+    let [vocab, _] = w.dims();
+    let b = TypeId::of::<B>();
+    let served = [
+        TypeId::of::<CudaAutodiff>(),
+        TypeId::of::<CudaCube>(),
+        TypeId::of::<Autodiff<NdArray<f32>>>(),
+        TypeId::of::<NdArray<f32>>(),
+    ];
+    if !fast_paths().loss || tokens == 0 || x.dtype() != w.dtype() || !served.contains(&b) {
+        return None;
+    }
+    Some(ops::linear_cross_entropy_chunked(
+        x.clone(),
+        w.clone(),
+        targets.clone(),
+        ops::default_loss_chunk_tokens(vocab),
+    ))
+}
+
+/// The chunked loss as one autodiff op ([`ops::linear_cross_entropy_autodiff`]) when `B` is
+/// `Autodiff<I>` for an inner backend `I` we can name: the CUDA backend or `NdArray<f32>`. Rust
+/// cannot name the inner backend of an arbitrary `B`, hence the list.
+pub(crate) fn lce_autodiff<B: Backend>(
+    x: &Tensor<B, 2>,
+    w: &Tensor<B, 2>,
+    targets: &Tensor<B, 1, Int>,
+    chunk_tokens: usize,
+) -> Option<Tensor<B, 1>> {
+    fn on<B: Backend, I: Backend>(
+        x: &Tensor<B, 2>,
+        w: &Tensor<B, 2>,
+        targets: &Tensor<B, 1, Int>,
+        chunk_tokens: usize,
+    ) -> Option<Tensor<B, 1>> {
+        (TypeId::of::<B>() == TypeId::of::<Autodiff<I>>()).then(|| {
+            same(ops::linear_cross_entropy_autodiff::<I>(
+                same(x.clone()),
+                same(w.clone()),
+                same(targets.clone()),
+                chunk_tokens,
+            ))
+        })
+    }
+    on::<B, CudaCube>(x, w, targets, chunk_tokens)
+        .or_else(|| on::<B, NdArray<f32>>(x, w, targets, chunk_tokens))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,12 +418,33 @@ mod tests {
     fn parses_switches() {
         assert_eq!(FastPaths::parse("all").unwrap(), FastPaths::ALL);
         assert_eq!(FastPaths::parse("none").unwrap(), FastPaths::NONE);
-        assert_eq!(FastPaths::parse("gemm,attention").unwrap(), FastPaths::ALL);
+        assert_eq!(
+            FastPaths::parse("gemm, attention,norm,rope,swiglu,loss").unwrap(),
+            FastPaths::ALL
+        );
         let only_gemm = FastPaths::parse("gemm").unwrap();
-        assert!(only_gemm.gemm && !only_gemm.attention);
+        assert!(only_gemm.gemm && !only_gemm.attention && !only_gemm.loss);
         assert_eq!(FastPaths::from_bits(only_gemm.bits()), only_gemm);
+        let some = FastPaths::parse("norm,loss").unwrap();
+        assert_eq!(
+            some,
+            FastPaths {
+                norm: true,
+                loss: true,
+                ..FastPaths::NONE
+            }
+        );
+        // Every single switch survives the round trip through the atomic's bits.
+        for name in NAMES {
+            let p = FastPaths::parse(name).unwrap();
+            assert_eq!(p.flags().iter().filter(|&&on| on).count(), 1, "{name}");
+            assert_eq!(FastPaths::from_bits(p.bits()), p, "{name}");
+        }
+        for p in [FastPaths::ALL, FastPaths::NONE] {
+            assert_eq!(FastPaths::from_bits(p.bits()), p);
+        }
         let e = FastPaths::parse("gemm,flash2").unwrap_err();
-        assert!(e.contains("flash2"), "{e}");
+        assert!(e.contains("flash2") && e.contains("swiglu"), "{e}");
     }
 
     #[test]
@@ -179,5 +454,27 @@ mod tests {
         let x = Tensor::<B, 2>::ones([2, 3], &dev);
         let w = Tensor::<B, 2>::ones([4, 3], &dev);
         assert!(linear(&x, &w).is_none());
+        let w1 = Tensor::<B, 1>::ones([3], &dev);
+        assert!(rms_norm(&x, &w1, 1e-6).is_none());
+        assert!(swiglu(&x, &x).is_none());
+        let x4 = Tensor::<B, 4>::ones([1, 2, 3, 4], &dev);
+        let table = Tensor::<B, 2>::ones([3, 4], &dev);
+        assert!(rope(&x4, &table, &table).is_none());
+    }
+
+    #[test]
+    fn chunked_loss_op_serves_autodiff_ndarray_only() {
+        type B = burn_ndarray::NdArray<f32>;
+        let dev = Default::default();
+        let t = Tensor::<B, 1, Int>::from_ints([0, 2], &dev);
+        let x = Tensor::<B, 2>::ones([2, 3], &dev);
+        let w = Tensor::<B, 2>::ones([4, 3], &dev);
+        // The plain backend has no autodiff op; its chunked forward is called directly.
+        assert!(lce_autodiff(&x, &w, &t, 1).is_none());
+        type Ad = Autodiff<B>;
+        let xa = Tensor::<Ad, 2>::from_inner(x).require_grad();
+        let wa = Tensor::<Ad, 2>::from_inner(w).require_grad();
+        let ta = Tensor::<Ad, 1, Int>::from_inner(t);
+        assert!(lce_autodiff(&xa, &wa, &ta, 1).is_some());
     }
 }

@@ -4,8 +4,13 @@
 //! them honest in CI), and differentiate through Burn's autodiff. Conventions follow Hugging
 //! Face's Llama so that checkpoints and logits carry over unchanged.
 
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::{
-    Bool, DType, Int, Tensor,
+    Bool, DType, IndexingUpdateOp, Int, Tensor, TensorPrimitive,
     activation::{log_softmax, silu, softmax},
     backend::Backend,
 };
@@ -26,6 +31,9 @@ pub fn rms_norm<B: Backend, const D: usize>(
     weight: Tensor<B, 1>,
     eps: f64,
 ) -> Tensor<B, D> {
+    if let Some(y) = crate::fast::rms_norm(&x, &weight, eps) {
+        return y;
+    }
     let dtype = x.dtype();
     let x32 = x.cast(DType::F32);
     let inv_rms = (x32.clone().square().mean_dim(D - 1) + eps).sqrt().recip();
@@ -62,6 +70,9 @@ pub fn rope_tables<B: Backend>(
 /// Applies rotary embeddings to `x: [batch, heads, seq, head_dim]` with tables from
 /// [`rope_tables`] (sliced to `seq`).
 pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -> Tensor<B, 4> {
+    if let Some(y) = crate::fast::rope(&x, &cos, &sin) {
+        return y;
+    }
     let [_, _, _, head_dim] = x.dims();
     let half = head_dim / 2;
     let dtype = x.dtype();
@@ -117,6 +128,9 @@ pub fn causal_attention<B: Backend>(
 
 /// The SwiGLU gate: `silu(gate) * up`.
 pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+    if let Some(y) = crate::fast::swiglu(&gate, &up) {
+        return y;
+    }
     silu(gate) * up
 }
 
@@ -127,6 +141,314 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int
     let logp = log_softmax(logits.cast(DType::F32), 1);
     let picked = logp.gather(1, targets.reshape([tokens, 1]));
     picked.mean().neg()
+}
+
+/// Mean cross-entropy of the logits `x @ weight^T` against `targets`, with `x: [tokens, hidden]`
+/// and `weight: [vocab, hidden]` (the LM head); the same value as
+/// `cross_entropy(linear(x, weight), targets)`.
+///
+/// The logits of a Llama batch are its largest activation (4096 tokens x 32000 vocab is 512 MiB
+/// in f32, and the reference keeps several such tensors for its backward). Where the backend
+/// allows (see [`crate::fast`], switch `loss`), this runs [`linear_cross_entropy_chunked`]
+/// instead, which never holds more than one chunk of logits.
+pub fn linear_cross_entropy<B: Backend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+) -> Tensor<B, 1> {
+    if let Some(loss) = crate::fast::linear_cross_entropy(&x, &weight, &targets) {
+        return loss;
+    }
+    cross_entropy(linear(x, weight), targets)
+}
+
+/// Bytes of f32 logits one chunk of [`linear_cross_entropy_chunked`] may hold by default.
+pub const LOSS_CHUNK_BYTES: usize = 256 << 20;
+
+/// Tokens per chunk so that a chunk's f32 logits stay within [`LOSS_CHUNK_BYTES`]; a multiple
+/// of 64 where that is possible, so the chunk GEMMs keep tile-friendly shapes.
+pub fn default_loss_chunk_tokens(vocab: usize) -> usize {
+    let tokens = (LOSS_CHUNK_BYTES / (vocab.max(1) * 4)).max(1);
+    if tokens >= 64 {
+        tokens / 64 * 64
+    } else {
+        tokens
+    }
+}
+
+/// [`linear_cross_entropy`] computed `chunk_tokens` tokens at a time (the last chunk may be
+/// shorter), with the log-softmax in f32.
+///
+/// On `Autodiff<NdArray<f32>>` and `Autodiff<CudaCube>` this is one autodiff op
+/// ([`linear_cross_entropy_autodiff`]) that saves only `x`, `weight`, `targets` and the per-token
+/// log-sum-exp and recomputes each chunk's logits in the backward. On a backend without
+/// autodiff it is the chunked forward alone. On other autodiff backends it is the same chunked
+/// forward through their stock differentiable ops: the same values, but the graph keeps every
+/// chunk's intermediates (call [`linear_cross_entropy_autodiff`] directly to save the memory).
+///
+/// # Panics
+/// If `chunk_tokens` is 0, or on mismatched shapes.
+pub fn linear_cross_entropy_chunked<B: Backend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    chunk_tokens: usize,
+) -> Tensor<B, 1> {
+    check_lce_shapes(&x, &weight, &targets, chunk_tokens);
+    if let Some(loss) = crate::fast::lce_autodiff(&x, &weight, &targets, chunk_tokens) {
+        return loss;
+    }
+    lce_forward(x, weight, targets, chunk_tokens, false).0
+}
+
+fn check_lce_shapes<B: Backend>(
+    x: &Tensor<B, 2>,
+    weight: &Tensor<B, 2>,
+    targets: &Tensor<B, 1, Int>,
+    chunk_tokens: usize,
+) {
+    let [tokens, hidden] = x.dims();
+    let [_, w_hidden] = weight.dims();
+    assert!(
+        chunk_tokens > 0,
+        "linear_cross_entropy: chunk_tokens must be positive"
+    );
+    assert!(
+        hidden == w_hidden && targets.dims() == [tokens],
+        "linear_cross_entropy: x {:?}, weight {:?} and targets {:?} do not match \
+         ([tokens, hidden], [vocab, hidden], [tokens])",
+        x.dims(),
+        weight.dims(),
+        targets.dims()
+    );
+}
+
+/// Token ranges of the chunks.
+fn chunks(tokens: usize, chunk_tokens: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..tokens)
+        .step_by(chunk_tokens)
+        .map(move |start| (start, chunk_tokens.min(tokens - start)))
+}
+
+/// The chunked forward: the mean loss (`[1]`, f32) and, when `keep_lse`, the per-token
+/// log-sum-exp of the logits (`[tokens]`, f32) that the backward needs.
+fn lce_forward<B: Backend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    chunk_tokens: usize,
+    keep_lse: bool,
+) -> (Tensor<B, 1>, Option<Tensor<B, 1>>) {
+    let [tokens, _] = x.dims();
+    let mut total: Option<Tensor<B, 1>> = None;
+    let mut lses = Vec::new();
+    for (start, len) in chunks(tokens, chunk_tokens) {
+        // The logits in the input dtype (as `linear` returns them), then f32 as the reference.
+        let logits = linear(x.clone().narrow(0, start, len), weight.clone()).cast(DType::F32);
+        let t = targets.clone().narrow(0, start, len).reshape([len, 1]);
+        let picked = logits.clone().gather(1, t);
+        let max = logits.clone().max_dim(1);
+        let lse = (logits - max.clone()).exp().sum_dim(1).log() + max;
+        let sum = (lse.clone() - picked).sum();
+        total = Some(match total {
+            None => sum,
+            Some(acc) => acc + sum,
+        });
+        if keep_lse {
+            lses.push(lse.reshape([len]));
+        }
+    }
+    let loss = total.expect("at least one token").div_scalar(tokens as f64);
+    let lse = keep_lse.then(|| {
+        if lses.len() == 1 {
+            lses.pop().expect("one chunk")
+        } else {
+            Tensor::cat(lses, 0)
+        }
+    });
+    (loss, lse)
+}
+
+/// The chunked backward: recomputes each chunk's logits, forms
+/// `g = (softmax - onehot(target)) * grad / tokens` in f32, rounds it to the weight's dtype (as
+/// the reference's cast does) and runs the two GEMMs `dx = g W`, `dW += g^T x`. `dW` is summed
+/// over chunks in f32 when the weight is of lower precision.
+#[allow(clippy::too_many_arguments)]
+fn lce_backward<B: Backend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    lse: Tensor<B, 1>,
+    grad: Tensor<B, 1>,
+    chunk_tokens: usize,
+    want_dx: bool,
+    want_dw: bool,
+) -> (Option<Tensor<B, 2>>, Option<Tensor<B, 2>>) {
+    let [tokens, _] = x.dims();
+    let dtype = weight.dtype();
+    let device = x.device();
+    let n_chunks = tokens.div_ceil(chunk_tokens);
+    let accumulate_f32 = n_chunks > 1 && dtype != DType::F32;
+    let scale = (grad.cast(DType::F32) / tokens as f64).reshape([1, 1]);
+    let mut dxs = Vec::with_capacity(n_chunks);
+    let mut dw: Option<Tensor<B, 2>> = None;
+    for (start, len) in chunks(tokens, chunk_tokens) {
+        let xc = x.clone().narrow(0, start, len);
+        let logits = linear(xc.clone(), weight.clone()).cast(DType::F32);
+        let lse_c = lse.clone().narrow(0, start, len).reshape([len, 1]);
+        let t = targets.clone().narrow(0, start, len).reshape([len, 1]);
+        let minus_one = Tensor::<B, 2>::full([len, 1], -1.0, (&device, DType::F32));
+        let g = (logits - lse_c)
+            .exp()
+            .scatter(1, t, minus_one, IndexingUpdateOp::Add)
+            .mul(scale.clone())
+            .cast(dtype);
+        let (dx_c, dw_c) = linear_grads(g, xc, weight.clone(), want_dx, want_dw);
+        if let Some(dx_c) = dx_c {
+            dxs.push(dx_c);
+        }
+        if let Some(dw_c) = dw_c {
+            let dw_c = if accumulate_f32 {
+                dw_c.cast(DType::F32)
+            } else {
+                dw_c
+            };
+            dw = Some(match dw {
+                None => dw_c,
+                Some(acc) => acc + dw_c,
+            });
+        }
+    }
+    let dx = want_dx.then(|| {
+        if dxs.len() == 1 {
+            dxs.pop().expect("one chunk")
+        } else {
+            Tensor::cat(dxs, 0)
+        }
+    });
+    let dw = dw.map(|d| if accumulate_f32 { d.cast(dtype) } else { d });
+    (dx, dw)
+}
+
+/// The input gradients of `y = x w^T` for the upstream `dy`: `dx = dy w` and `dw = dy^T x`, as
+/// requested; one ordered cuBLAS batch on CUDA (see [`crate::fast`]).
+fn linear_grads<B: Backend>(
+    dy: Tensor<B, 2>,
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    want_dx: bool,
+    want_dw: bool,
+) -> (Option<Tensor<B, 2>>, Option<Tensor<B, 2>>) {
+    if let Some(grads) = crate::fast::linear_grads(&dy, &x, &w, want_dx, want_dw) {
+        return grads;
+    }
+    let dx = want_dx.then(|| dy.clone().matmul(w));
+    let dw = want_dw.then(|| dy.transpose().matmul(x));
+    (dx, dw)
+}
+
+fn float_tensor<B: Backend, const D: usize>(p: B::FloatTensorPrimitive) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+#[derive(Debug)]
+struct LinearCrossEntropyBackward;
+
+impl<B: Backend> Backward<B, 2> for LinearCrossEntropyBackward {
+    /// x, weight, targets, per-token log-sum-exp, tokens per chunk.
+    type State = (
+        B::FloatTensorPrimitive,
+        B::FloatTensorPrimitive,
+        B::IntTensorPrimitive,
+        B::FloatTensorPrimitive,
+        usize,
+    );
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x, node_w] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, w, targets, lse, chunk_tokens) = ops.state;
+        let x_dtype = burn::tensor::TensorMetadata::dtype(&x);
+        let (dx, dw) = lce_backward::<B>(
+            float_tensor(x),
+            float_tensor(w),
+            Tensor::from_primitive(targets),
+            float_tensor(lse),
+            float_tensor(grad),
+            chunk_tokens,
+            node_x.is_some(),
+            node_w.is_some(),
+        );
+        if let (Some(node), Some(dx)) = (node_x, dx) {
+            grads.register::<B>(node.id, dx.cast(x_dtype).into_primitive().tensor());
+        }
+        if let (Some(node), Some(dw)) = (node_w, dw) {
+            grads.register::<B>(node.id, dw.into_primitive().tensor());
+        }
+    }
+}
+
+/// [`linear_cross_entropy_chunked`] as one op of Burn's autodiff on any backend `B`.
+///
+/// The forward saves `x`, `weight`, `targets` and the per-token log-sum-exp (f32, 4 bytes a
+/// token) instead of the `[tokens, vocab]` logits and probabilities; the backward recomputes one
+/// chunk of logits at a time (one more GEMM of the forward's size), so the loss's working memory
+/// is one chunk's logits whatever the batch.
+///
+/// # Panics
+/// As [`linear_cross_entropy_chunked`].
+pub fn linear_cross_entropy_autodiff<B: Backend>(
+    x: Tensor<Autodiff<B>, 2>,
+    weight: Tensor<Autodiff<B>, 2>,
+    targets: Tensor<Autodiff<B>, 1, Int>,
+    chunk_tokens: usize,
+) -> Tensor<Autodiff<B>, 1> {
+    check_lce_shapes(&x, &weight, &targets, chunk_tokens);
+    let targets = Tensor::<B, 1, Int>::from_primitive(targets.into_primitive());
+    let x = x.into_primitive().tensor();
+    let w = weight.into_primitive().tensor();
+    let prep = <LinearCrossEntropyBackward as Backward<B, 2>>::prepare::<NoCheckpointing>(
+        LinearCrossEntropyBackward,
+        [x.node.clone(), w.node.clone()],
+    );
+    let out = match prep.compute_bound().stateful() {
+        OpsKind::Tracked(prep) => {
+            let (loss, lse) = lce_forward(
+                float_tensor::<B, 2>(x.primitive.clone()),
+                float_tensor::<B, 2>(w.primitive.clone()),
+                targets.clone(),
+                chunk_tokens,
+                true,
+            );
+            let lse = lse.expect("kept for the backward");
+            prep.finish(
+                (
+                    x.primitive,
+                    w.primitive,
+                    targets.into_primitive(),
+                    lse.into_primitive().tensor(),
+                    chunk_tokens,
+                ),
+                loss.into_primitive().tensor(),
+            )
+        }
+        OpsKind::UnTracked(prep) => {
+            let (loss, _) = lce_forward(
+                float_tensor::<B, 2>(x.primitive),
+                float_tensor::<B, 2>(w.primitive),
+                targets,
+                chunk_tokens,
+                false,
+            );
+            prep.finish(loss.into_primitive().tensor())
+        }
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(out))
 }
 
 #[cfg(test)]
@@ -181,6 +503,146 @@ mod tests {
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() < 1e-5);
         }
+    }
+
+    /// (max |a - b|) / max |b|, with the scale floored at 1 so near-zero references compare
+    /// absolutely.
+    fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        let diff = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        let scale = b.iter().map(|y| y.abs()).fold(1.0, f32::max);
+        diff / scale
+    }
+
+    fn host<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
+        t.into_data().convert::<f32>().to_vec().unwrap()
+    }
+
+    type Ad = burn::backend::Autodiff<B>;
+
+    /// Inputs of an LM-head loss: x `[tokens, hidden]`, weight `[vocab, hidden]`, targets that
+    /// cover the vocabulary's first and last ids.
+    fn lce_inputs(
+        tokens: usize,
+        hidden: usize,
+        vocab: usize,
+    ) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 1, Int>) {
+        let dev = Default::default();
+        let x = Tensor::<B, 2>::random(
+            [tokens, hidden],
+            burn::tensor::Distribution::Normal(0.0, 1.0),
+            &dev,
+        );
+        let w = Tensor::<B, 2>::random(
+            [vocab, hidden],
+            burn::tensor::Distribution::Normal(0.0, 0.5),
+            &dev,
+        );
+        let mut ids: Vec<i64> = (0..tokens).map(|i| ((i * 7 + 3) % vocab) as i64).collect();
+        ids[tokens - 1] = vocab as i64 - 1;
+        ids[0] = 0;
+        let t = Tensor::<B, 1, Int>::from_ints(ids.as_slice(), &dev);
+        (x, w, t)
+    }
+
+    /// Loss, dx and dW of `loss_fn` on the autodiff backend, with an upstream gradient of 2.5
+    /// (`(loss * 2.5).backward()`) so that the scaling by the incoming gradient is exercised.
+    fn loss_and_grads(
+        x: &Tensor<B, 2>,
+        w: &Tensor<B, 2>,
+        t: &Tensor<B, 1, Int>,
+        track_x: bool,
+        loss_fn: impl Fn(Tensor<Ad, 2>, Tensor<Ad, 2>, Tensor<Ad, 1, Int>) -> Tensor<Ad, 1>,
+    ) -> (f32, Option<Vec<f32>>, Vec<f32>) {
+        let xa = Tensor::<Ad, 2>::from_inner(x.clone());
+        let xa = if track_x { xa.require_grad() } else { xa };
+        let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
+        let loss = loss_fn(xa.clone(), wa.clone(), Tensor::from_inner(t.clone()));
+        let value: f32 = loss.clone().inner().into_scalar();
+        let grads = (loss * 2.5).backward();
+        let dx = track_x.then(|| host(xa.grad(&grads).expect("dx")));
+        (value, dx, host(wa.grad(&grads).expect("dw")))
+    }
+
+    fn reference_lce<Bk: Backend>(
+        x: Tensor<Bk, 2>,
+        w: Tensor<Bk, 2>,
+        t: Tensor<Bk, 1, Int>,
+    ) -> Tensor<Bk, 1> {
+        cross_entropy(x.matmul(w.transpose()), t)
+    }
+
+    #[test]
+    fn linear_cross_entropy_chunked_matches_reference() {
+        // Odd token counts, chunks that divide them, do not, and exceed them.
+        for (tokens, hidden, vocab) in [(7, 5, 11), (1, 3, 4), (33, 16, 50)] {
+            let (x, w, t) = lce_inputs(tokens, hidden, vocab);
+            let (want, want_dx, want_dw) = loss_and_grads(&x, &w, &t, true, reference_lce);
+            for chunk in [1, 2, 3, tokens, tokens + 5] {
+                let (got, got_dx, got_dw) = loss_and_grads(&x, &w, &t, true, |x, w, t| {
+                    linear_cross_entropy_chunked(x, w, t, chunk)
+                });
+                let ctx = format!("tokens {tokens} vocab {vocab} chunk {chunk}");
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{ctx}: loss {got} vs {want}"
+                );
+                let e_dx = rel_err(&got_dx.unwrap(), want_dx.as_ref().unwrap());
+                let e_dw = rel_err(&got_dw, &want_dw);
+                assert!(
+                    e_dx <= 1e-5 && e_dw <= 1e-5,
+                    "{ctx}: dx {e_dx:e} dw {e_dw:e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn linear_cross_entropy_weight_only_and_forward_only() {
+        let (x, w, t) = lce_inputs(9, 6, 13);
+        // Only the weight tracked (the input's gradient is skipped).
+        let (want, _, want_dw) = loss_and_grads(&x, &w, &t, false, reference_lce);
+        let (got, dx, got_dw) = loss_and_grads(&x, &w, &t, false, |x, w, t| {
+            linear_cross_entropy_chunked(x, w, t, 4)
+        });
+        assert!(dx.is_none());
+        assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0));
+        assert!(rel_err(&got_dw, &want_dw) <= 1e-5);
+        // The plain backend runs the chunked forward alone.
+        let plain: f32 =
+            linear_cross_entropy_chunked(x.clone(), w.clone(), t.clone(), 2).into_scalar();
+        let reference: f32 = reference_lce(x, w, t).into_scalar();
+        assert!((plain - reference).abs() <= 1e-5 * reference.abs().max(1.0));
+    }
+
+    #[test]
+    fn linear_cross_entropy_dispatch_takes_the_chunked_op_on_cpu() {
+        // With the default switches, `linear_cross_entropy` on Autodiff<NdArray> runs the
+        // chunked op (one chunk here); it must agree with linear + cross_entropy.
+        let (x, w, t) = lce_inputs(10, 8, 21);
+        let (want, want_dx, want_dw) =
+            loss_and_grads(&x, &w, &t, true, |x, w, t| cross_entropy(linear(x, w), t));
+        let (got, got_dx, got_dw) = loss_and_grads(&x, &w, &t, true, linear_cross_entropy);
+        assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0));
+        assert!(rel_err(&got_dx.unwrap(), &want_dx.unwrap()) <= 1e-5);
+        assert!(rel_err(&got_dw, &want_dw) <= 1e-5);
+    }
+
+    #[test]
+    fn default_loss_chunk_keeps_logits_within_budget() {
+        for vocab in [1, 1000, 32000, 32003, 128_256, 1 << 30] {
+            let c = default_loss_chunk_tokens(vocab);
+            assert!(c >= 1);
+            assert!(
+                c == 1 || c * vocab * 4 <= LOSS_CHUNK_BYTES,
+                "vocab {vocab}: {c}"
+            );
+        }
+        assert_eq!(default_loss_chunk_tokens(32000), 2048);
     }
 
     #[test]

@@ -21,6 +21,7 @@
 pub mod adamw;
 pub mod attention;
 pub mod flash;
+pub mod fused;
 pub mod gemm;
 mod kernel_cache;
 pub use kernel_cache::{configure_kernel_cache, kernel_cache_dir, user_cubecl_config};

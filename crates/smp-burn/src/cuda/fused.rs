@@ -1,0 +1,1057 @@
+//! Fused RMSNorm, SwiGLU and rotary-embedding kernels (forward and backward) in CubeCL, wired
+//! into Burn's autodiff: the stand-in for Transformer Engine's fused elementwise kernels.
+//!
+//! Why: the reference ops in [`crate::ops`] are chains of Burn kernels (RMSNorm: cast, square,
+//! mean, add, sqrt, recip, mul, cast, mul; RoPE: two narrows, a neg, a cat, two casts, three
+//! products and a sum), each a full pass over the activation, and autodiff keeps their
+//! intermediates (RMSNorm keeps an f32 copy of its input) and runs a similar chain backward.
+//! These ops are memory-bound, so the figure of merit is bytes moved: here each is one pass
+//! forward and one backward, reading the inputs once and writing the outputs once. They also
+//! cut the number of ops the host issues, which matters because a Burn training step is
+//! host-bound (DESIGN.md, "Stock Burn training of a Llama block").
+//!
+//! - RMSNorm: one cube per row; the mean square is accumulated in f32 (a warp sum, then the
+//!   warps' partials through shared memory in a fixed order). The forward saves `x` and the
+//!   per-row inverse rms (f32). The backward's cubes each own a block of rows: they write `dx`
+//!   and one row of per-block `dweight` partial sums (f32), which a second kernel adds up per
+//!   column in a fixed order. No atomics: results are bitwise reproducible.
+//! - SwiGLU: `silu(gate) * up` elementwise; the backward writes `dgate` and `dup` in one pass.
+//!   All arithmetic in f32.
+//! - RoPE (Hugging Face's `rotate_half` layout): each thread rotates a vector of pairs
+//!   `(x[j], x[j + d/2])`. The input may be strided (the model feeds `reshape + swap_dims`
+//!   views); only its last dimension must be contiguous, otherwise it is copied first. The
+//!   output is contiguous. The backward is the transposed rotation, written for general tables
+//!   (with Hugging Face's tables, whose two halves are equal, it is the rotation by `-sin`).
+//!
+//! Semantics follow the reference ops, with one rounding fewer where the reference rounds an
+//! intermediate to bf16 (for example `silu(gate)` before the product): results agree with the
+//! reference to the input dtype's rounding, which `examples/fused_check.rs` checks on the GPU.
+//! Inputs are read in vectors of up to 16 bytes where shapes, strides and offsets allow.
+
+// Kernel code is expanded by `#[cube]`, which has no `div_ceil` on runtime integers.
+#![allow(clippy::manual_div_ceil)]
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::{DType, Shape, Tensor as BurnTensor, TensorPrimitive};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::{cast, into_contiguous};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+
+use super::CudaCube;
+use super::gemm::CudaAutodiff;
+
+type Cube = CubeTensor<CudaRuntime>;
+
+/// Threads per cube of the elementwise kernels (SwiGLU, RoPE) and of the column sum.
+const ELEMWISE_THREADS: usize = 256;
+/// Vectors each thread of a row kernel keeps in registers, when the row is long enough: two
+/// 16-byte loads in flight per thread and a small register footprint in the backward.
+const ROW_VECTORS_PER_THREAD: usize = 2;
+/// Most threads per cube of the row kernels (CUDA's limit).
+const ROW_MAX_THREADS: usize = 1024;
+/// Most vectors per thread of the row kernels; with scalar loads this allows rows of 16384.
+const ROW_MAX_VECTORS_PER_THREAD: usize = 16;
+/// Cubes the RMSNorm backward aims for (each owns a block of rows and writes one row of
+/// partial `dweight` sums): about four per SM of an H100/H200, enough to fill the device
+/// while keeping the partial-sum buffer small.
+const NORM_BWD_CUBES: usize = 512;
+/// Partial-sum rows each column is split over in the column-sum kernel; a cube covers 32
+/// columns, so it has `32 * COLSUM_GROUPS` = 256 threads.
+const COLSUM_GROUPS: usize = 8;
+
+// ------------------------------------------------------------------------------------------
+// Device side
+// ------------------------------------------------------------------------------------------
+
+/// Sum of `value` over every unit of the cube, returned to all of them: a plane (warp) sum, then
+/// the planes' totals through `scratch` in plane order, so the result is reproducible. Ends with
+/// a barrier, so `scratch` may be reused right away.
+#[cube]
+fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
+    let plane_total = plane_sum(value);
+    if UNIT_POS_PLANE == 0 {
+        scratch[PLANE_POS as usize] = plane_total;
+    }
+    sync_cube();
+    let planes = (CUBE_DIM + PLANE_DIM - 1) / PLANE_DIM;
+    let mut total = f32::new(0.0);
+    for i in 0..planes as usize {
+        total += scratch[i];
+    }
+    sync_cube();
+    total
+}
+
+/// Sum of the lanes of an f32 vector.
+#[cube]
+fn lane_sum<N: Size>(v: Vector<f32, N>, #[comptime] nv: usize) -> f32 {
+    let mut s = f32::new(0.0);
+    #[unroll]
+    for k in 0..nv {
+        s += v[k];
+    }
+    s
+}
+
+/// RMSNorm forward. Cube = one row of `x: [rows, hidden]` (contiguous, read in vectors of `nv`
+/// elements; `row_vectors = hidden / nv`); thread `t` owns vectors `t, t + threads, ...`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_fwd_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    weight: &Tensor<Vector<F, N>>,
+    y: &mut Tensor<Vector<F, N>>,
+    inv_rms: &mut Tensor<f32>,
+    rows: u32,
+    row_vectors: u32,
+    hidden: f32,
+    eps: f32,
+    #[comptime] nv: usize,
+    #[comptime] vpt: usize,
+    #[comptime] threads: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = CUBE_POS;
+    if row >= rows as usize {
+        terminate!();
+    }
+    let t = UNIT_POS as usize;
+    let hv = row_vectors as usize;
+    let base = row * hv;
+    let mut scratch = SharedMemory::<f32>::new(threads);
+    let mut xs = Array::<Vector<f32, N>>::new(vpt);
+    let mut sq = f32::new(0.0);
+    #[unroll]
+    for i in 0..vpt {
+        let c = i * threads + t;
+        let mut v = Vector::<f32, N>::new(f32::new(0.0));
+        if c < hv {
+            v = Vector::<f32, N>::cast_from(x[base + c]);
+        }
+        xs[i] = v;
+        sq += lane_sum::<N>(v * v, nv);
+    }
+    let total = cube_sum(sq, &mut scratch);
+    // As the reference: 1 / sqrt(mean + eps), all in f32.
+    let r = f32::new(1.0) / (total / hidden + eps).sqrt();
+    let rv = Vector::<f32, N>::new(r);
+    #[unroll]
+    for i in 0..vpt {
+        let c = i * threads + t;
+        if c < hv {
+            // The normalized row is rounded to the input dtype before the weight, as the
+            // reference's `cast(dtype) * weight`.
+            let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xs[i] * rv));
+            let w = Vector::<f32, N>::cast_from(weight[c]);
+            y[base + c] = Vector::<F, N>::cast_from(n * w);
+        }
+    }
+    if t == 0 {
+        inv_rms[row] = r;
+    }
+}
+
+/// RMSNorm backward. Cube = a block of `rows_per_cube` rows, thread layout as the forward.
+/// `dx = r * dn - r^3 * x * sum(dn * x) / hidden` with `dn = dy * weight` and `r` the saved
+/// inverse rms; when `want_dw`, `partial[cube, :] = sum over the block of dy * round(x * r)`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_bwd_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    weight: &Tensor<Vector<F, N>>,
+    dy: &Tensor<Vector<F, N>>,
+    inv_rms: &Tensor<f32>,
+    dx: &mut Tensor<Vector<F, N>>,
+    partial: &mut Tensor<f32>,
+    rows: u32,
+    row_vectors: u32,
+    hidden: f32,
+    rows_per_cube: u32,
+    #[comptime] nv: usize,
+    #[comptime] vpt: usize,
+    #[comptime] threads: usize,
+    #[comptime] want_dw: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let blk = CUBE_POS;
+    let t = UNIT_POS as usize;
+    let hv = row_vectors as usize;
+    let mut scratch = SharedMemory::<f32>::new(threads);
+    let mut ws = Array::<Vector<f32, N>>::new(vpt);
+    let mut acc = Array::<Vector<f32, N>>::new(vpt);
+    #[unroll]
+    for i in 0..vpt {
+        let c = i * threads + t;
+        let mut w = Vector::<f32, N>::new(f32::new(0.0));
+        if c < hv {
+            w = Vector::<f32, N>::cast_from(weight[c]);
+        }
+        ws[i] = w;
+        acc[i] = Vector::<f32, N>::new(f32::new(0.0));
+    }
+    let r0 = blk * rows_per_cube as usize;
+    let mut r1 = r0 + rows_per_cube as usize;
+    if r1 > rows as usize {
+        r1 = rows as usize;
+    }
+    let mut xs = Array::<Vector<f32, N>>::new(vpt);
+    let mut dns = Array::<Vector<f32, N>>::new(vpt);
+    for row in r0..r1 {
+        let base = row * hv;
+        let r = inv_rms[row];
+        let rv = Vector::<f32, N>::new(r);
+        let mut dot = f32::new(0.0);
+        #[unroll]
+        for i in 0..vpt {
+            let c = i * threads + t;
+            let mut xv = Vector::<f32, N>::new(f32::new(0.0));
+            let mut g = Vector::<f32, N>::new(f32::new(0.0));
+            if c < hv {
+                xv = Vector::<f32, N>::cast_from(x[base + c]);
+                g = Vector::<f32, N>::cast_from(dy[base + c]);
+            }
+            if comptime!(want_dw) {
+                // The weight multiplied the normalized row as rounded in the forward.
+                let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
+                acc[i] += g * n;
+            }
+            let dn = g * ws[i];
+            xs[i] = xv;
+            dns[i] = dn;
+            dot += lane_sum::<N>(dn * xv, nv);
+        }
+        let total = cube_sum(dot, &mut scratch);
+        let coef = Vector::<f32, N>::new(r * r * r * total / hidden);
+        #[unroll]
+        for i in 0..vpt {
+            let c = i * threads + t;
+            if c < hv {
+                dx[base + c] = Vector::<F, N>::cast_from(dns[i] * rv - xs[i] * coef);
+            }
+        }
+    }
+    if comptime!(want_dw) {
+        #[unroll]
+        for i in 0..vpt {
+            let c = i * threads + t;
+            if c < hv {
+                let out = (blk * hv + c) * nv;
+                let a = acc[i];
+                #[unroll]
+                for k in 0..nv {
+                    partial[out + k] = a[k];
+                }
+            }
+        }
+    }
+}
+
+/// `out[c] = sum_b partial[b, c]` in a fixed order. Cube = 32 consecutive columns x
+/// `groups` row groups (thread `t`: column `t % 32`, group `t / 32`); group `g` adds rows
+/// `g, g + groups, ...` four at a time, then group 0 adds the groups' sums in order.
+#[cube(launch_unchecked)]
+fn column_sum_kernel<F: Float>(
+    partial: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    blocks: u32,
+    cols: u32,
+    #[comptime] groups: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let t = UNIT_POS as usize;
+    let lane = t % 32;
+    let g = t / 32;
+    let c = CUBE_POS * 32 + lane;
+    let nb = blocks as usize;
+    let nc = cols as usize;
+    let mut sums = SharedMemory::<f32>::new(comptime!(32 * groups));
+    let mut acc = f32::new(0.0);
+    if c < nc {
+        // Rows g + k * groups for k < steps.
+        let steps = (nb + groups - 1 - g) / groups;
+        let quads = steps / 4;
+        let mut a0 = f32::new(0.0);
+        let mut a1 = f32::new(0.0);
+        let mut a2 = f32::new(0.0);
+        let mut a3 = f32::new(0.0);
+        for q in 0..quads {
+            let b = g + 4 * q * groups;
+            a0 += partial[b * nc + c];
+            a1 += partial[(b + groups) * nc + c];
+            a2 += partial[(b + 2 * groups) * nc + c];
+            a3 += partial[(b + 3 * groups) * nc + c];
+        }
+        for k in quads * 4..steps {
+            a0 += partial[(g + k * groups) * nc + c];
+        }
+        acc = (a0 + a1) + (a2 + a3);
+    }
+    sums[g * 32 + lane] = acc;
+    sync_cube();
+    if g == 0 && c < nc {
+        let mut total = f32::new(0.0);
+        #[unroll]
+        for i in 0..groups {
+            total += sums[i * 32 + lane];
+        }
+        out[c] = F::cast_from(total);
+    }
+}
+
+/// `out = silu(gate) * up`, elementwise over contiguous tensors read in vectors (`len` vectors).
+#[cube(launch_unchecked)]
+fn swiglu_fwd_kernel<F: Float, N: Size>(
+    gate: &Tensor<Vector<F, N>>,
+    up: &Tensor<Vector<F, N>>,
+    out: &mut Tensor<Vector<F, N>>,
+    len: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < len as usize {
+        let g = Vector::<f32, N>::cast_from(gate[i]);
+        let u = Vector::<f32, N>::cast_from(up[i]);
+        let one = Vector::<f32, N>::new(f32::new(1.0));
+        let sig = one / (one + (Vector::<f32, N>::new(f32::new(0.0)) - g).exp());
+        out[i] = Vector::<F, N>::cast_from(g * sig * u);
+    }
+}
+
+/// SwiGLU backward: `dgate = dout * up * s * (1 + gate * (1 - s))` with `s = sigmoid(gate)`,
+/// `dup = dout * silu(gate)`, in f32, one pass.
+#[cube(launch_unchecked)]
+fn swiglu_bwd_kernel<F: Float, N: Size>(
+    gate: &Tensor<Vector<F, N>>,
+    up: &Tensor<Vector<F, N>>,
+    d_out: &Tensor<Vector<F, N>>,
+    d_gate: &mut Tensor<Vector<F, N>>,
+    d_up: &mut Tensor<Vector<F, N>>,
+    len: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < len as usize {
+        let g = Vector::<f32, N>::cast_from(gate[i]);
+        let u = Vector::<f32, N>::cast_from(up[i]);
+        let d = Vector::<f32, N>::cast_from(d_out[i]);
+        let one = Vector::<f32, N>::new(f32::new(1.0));
+        let sig = one / (one + (Vector::<f32, N>::new(f32::new(0.0)) - g).exp());
+        let silu = g * sig;
+        d_gate[i] = Vector::<F, N>::cast_from(d * u * sig * (one + g * (one - sig)));
+        d_up[i] = Vector::<F, N>::cast_from(d * silu);
+    }
+}
+
+/// Rotary embedding over `x: [batch, heads, seq, d]` (any strides, unit last stride, read in
+/// vectors of `nv`; `half_vectors = d / 2 / nv`) with f32 tables `cos`, `sin: [seq, d]`
+/// (contiguous). Thread = one vector of pairs `(x1, x2) = (x[j..], x[d/2 + j..])`:
+/// forward `y1 = x1 cos1 - x2 sin1`, `y2 = x2 cos2 + x1 sin2`; backward (the transpose)
+/// `y1 = x1 cos1 + x2 sin2`, `y2 = x2 cos2 - x1 sin1`. `out` is contiguous.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rope_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    cos: &Tensor<f32>,
+    sin: &Tensor<f32>,
+    out: &mut Tensor<Vector<F, N>>,
+    total: u32,
+    heads: u32,
+    seq: u32,
+    half_vectors: u32,
+    #[comptime] nv: usize,
+    #[comptime] backward: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos < total as usize {
+        let hv = half_vectors as usize;
+        let j = pos % hv;
+        let row = pos / hv;
+        let s = row % seq as usize;
+        let bh = row / seq as usize;
+        let h = bh % heads as usize;
+        let b = bh / heads as usize;
+        let xb = (b * x.stride(0) + h * x.stride(1) + s * x.stride(2)) / nv;
+        let x1 = Vector::<f32, N>::cast_from(x[xb + j]);
+        let x2 = Vector::<f32, N>::cast_from(x[xb + hv + j]);
+        let half = hv * nv;
+        let tb = s * 2 * half + j * nv;
+        let mut c1 = Vector::<f32, N>::empty();
+        let mut c2 = Vector::<f32, N>::empty();
+        let mut s1 = Vector::<f32, N>::empty();
+        let mut s2 = Vector::<f32, N>::empty();
+        #[unroll]
+        for k in 0..nv {
+            c1[k] = cos[tb + k];
+            c2[k] = cos[tb + half + k];
+            s1[k] = sin[tb + k];
+            s2[k] = sin[tb + half + k];
+        }
+        let ob = row * 2 * hv;
+        if comptime!(backward) {
+            out[ob + j] = Vector::<F, N>::cast_from(x1 * c1 + x2 * s2);
+            out[ob + hv + j] = Vector::<F, N>::cast_from(x2 * c2 - x1 * s1);
+        } else {
+            out[ob + j] = Vector::<F, N>::cast_from(x1 * c1 - x2 * s1);
+            out[ob + hv + j] = Vector::<F, N>::cast_from(x2 * c2 + x1 * s2);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------
+
+fn check_float(op: &str, t: &CubeTensor<impl CubeRuntime>) {
+    assert!(
+        matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16),
+        "{op}: unsupported dtype {:?} (f32, f16 or bf16)",
+        t.dtype
+    );
+}
+
+/// The widest vector (elements) that the device loads in one instruction and in which every
+/// tensor can be read: `run` (the contiguous extent each vector must stay inside) and every
+/// stride but the last divisible by it, and each buffer's start aligned to it.
+fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>], run: usize) -> usize {
+    let first = tensors[0];
+    first
+        .client
+        .io_optimized_vector_sizes(first.dtype.size())
+        .find(|&w| {
+            run.is_multiple_of(w)
+                && tensors.iter().all(|t| {
+                    let strides = t.meta.strides();
+                    let rank = strides.len();
+                    let bytes = (w * t.dtype.size()) as u64;
+                    strides[rank - 1] == 1
+                        && (0..rank - 1).all(|i| strides[i].is_multiple_of(w))
+                        && t.handle.offset_start.unwrap_or(0).is_multiple_of(bytes)
+                })
+        })
+        .unwrap_or(1)
+}
+
+/// Every index fits the kernels' 32-bit scalars and Burn's 32-bit addressing.
+fn check_u32(op: &str, t: &CubeTensor<impl CubeRuntime>) {
+    assert!(
+        t.required_address_type() == AddressType::U32 && t.meta.num_elements() < u32::MAX as usize,
+        "{op}: tensor {:?} is too large for 32-bit indexing",
+        t.meta.shape()
+    );
+}
+
+/// Threads per cube and vectors per thread of a row kernel for rows of `row_vectors` vectors.
+fn row_layout(row_vectors: usize) -> (usize, usize) {
+    let threads = row_vectors
+        .div_ceil(ROW_VECTORS_PER_THREAD)
+        .next_multiple_of(32)
+        .clamp(32, ROW_MAX_THREADS);
+    (threads, row_vectors.div_ceil(threads))
+}
+
+/// Whether the RMSNorm kernels take rows of `hidden` elements (whatever the vector width).
+pub fn rms_norm_supports(hidden: usize) -> bool {
+    hidden > 0 && hidden.div_ceil(ROW_MAX_THREADS) <= ROW_MAX_VECTORS_PER_THREAD
+}
+
+/// A launch grid of `n` cubes (numbered by `CUBE_POS`) within CUDA's 65535 limit on y.
+fn cubes(n: usize) -> CubeCount {
+    let x = n.clamp(1, 65_535);
+    CubeCount::Static(x as u32, n.div_ceil(x) as u32, 1)
+}
+
+fn rms_norm_dims<R: CubeRuntime>(x: &CubeTensor<R>, weight: &CubeTensor<R>) -> (usize, usize) {
+    let shape = x.meta.shape();
+    assert!(
+        shape.num_dims() == 2,
+        "rms_norm: x must be [rows, hidden], got {shape:?}"
+    );
+    let (rows, hidden) = (shape[0], shape[1]);
+    assert!(
+        weight.meta.shape().as_slice() == [hidden],
+        "rms_norm: weight {:?} does not match x {shape:?}",
+        weight.meta.shape()
+    );
+    assert!(
+        x.dtype == weight.dtype,
+        "rms_norm: x ({:?}) and weight ({:?}) dtypes differ",
+        x.dtype,
+        weight.dtype
+    );
+    check_float("rms_norm", x);
+    assert!(
+        rms_norm_supports(hidden),
+        "rms_norm: hidden size {hidden} is outside the kernels' range"
+    );
+    x.assert_is_on_same_device(weight);
+    (rows, hidden)
+}
+
+/// RMSNorm forward of `x: [rows, hidden]` with `weight: [hidden]` (same float dtype).
+///
+/// Returns `(y, inv_rms)`: `y = round(x * inv_rms) * weight` in x's dtype and the per-row
+/// `inv_rms = 1 / sqrt(mean(x^2) + eps)` in f32 (`[rows]`), which the backward needs.
+///
+/// # Panics
+/// On mismatched shapes or dtypes (an autodiff op has no error channel).
+pub fn rms_norm_forward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    eps: f64,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let (rows, hidden) = rms_norm_dims(&x, &weight);
+    let (x, weight) = (into_contiguous(x), into_contiguous(weight));
+    check_u32("rms_norm", &x);
+    let client = x.client.clone();
+    let y = empty_device_contiguous_dtype(
+        client.clone(),
+        x.device.clone(),
+        x.meta.shape().clone(),
+        x.dtype,
+    );
+    let inv_rms = empty_device_contiguous_dtype(
+        client.clone(),
+        x.device.clone(),
+        Shape::new([rows]),
+        DType::F32,
+    );
+    if rows == 0 {
+        return (y, inv_rms);
+    }
+    let nv = vector_width(&[&x, &weight, &y], hidden);
+    let row_vectors = hidden / nv;
+    let (threads, vpt) = row_layout(row_vectors);
+    let dtype = x.dtype;
+    // SAFETY: one cube per row (cubes past `rows` exit first); vector indices stay below
+    // `rows * row_vectors`, the weight's `row_vectors` and `rows` for `inv_rms`; shared memory
+    // holds one value per thread, at least one per plane.
+    unsafe {
+        rms_norm_fwd_kernel::launch_unchecked::<R>(
+            &client,
+            cubes(rows),
+            CubeDim::new_1d(threads as u32),
+            nv,
+            x.into_tensor_arg(),
+            weight.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            inv_rms.clone().into_tensor_arg(),
+            rows as u32,
+            row_vectors as u32,
+            hidden as f32,
+            eps as f32,
+            nv,
+            vpt,
+            threads,
+            dtype.into(),
+        );
+    }
+    (y, inv_rms)
+}
+
+/// RMSNorm backward: from the forward's `x`, `weight` and `inv_rms` and the upstream `dy`,
+/// returns `dx` (x's dtype) and, when `want_dw`, `dweight` (the weight's dtype), summed over
+/// rows in f32 through per-block partial sums (deterministic, no atomics).
+///
+/// # Panics
+/// As [`rms_norm_forward`].
+pub fn rms_norm_backward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    inv_rms: CubeTensor<R>,
+    dy: CubeTensor<R>,
+    want_dw: bool,
+) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+    let (rows, hidden) = rms_norm_dims(&x, &weight);
+    assert!(
+        dy.meta.shape() == x.meta.shape() && dy.dtype == x.dtype,
+        "rms_norm backward: dy {:?} {:?} must match x {:?} {:?}",
+        dy.meta.shape(),
+        dy.dtype,
+        x.meta.shape(),
+        x.dtype
+    );
+    assert!(
+        inv_rms.meta.shape().as_slice() == [rows] && inv_rms.dtype == DType::F32,
+        "rms_norm backward: inv_rms must be f32 [{rows}], got {:?} {:?}",
+        inv_rms.meta.shape(),
+        inv_rms.dtype
+    );
+    let (x, weight) = (into_contiguous(x), into_contiguous(weight));
+    let (dy, inv_rms) = (into_contiguous(dy), into_contiguous(inv_rms));
+    check_u32("rms_norm backward", &x);
+    let client = x.client.clone();
+    let device = x.device.clone();
+    let dtype = x.dtype;
+    let dx = empty_device_contiguous_dtype(
+        client.clone(),
+        device.clone(),
+        x.meta.shape().clone(),
+        dtype,
+    );
+    let alloc_dw = || {
+        empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([hidden]), dtype)
+    };
+    if rows == 0 {
+        let dw = want_dw.then(|| {
+            burn_cubecl::ops::numeric::zeros_client(
+                client.clone(),
+                device.clone(),
+                Shape::new([hidden]),
+                dtype,
+            )
+        });
+        return (dx, dw);
+    }
+    let nv = vector_width(&[&x, &weight, &dy, &dx], hidden);
+    let row_vectors = hidden / nv;
+    let (threads, vpt) = row_layout(row_vectors);
+    let rows_per_cube = rows.div_ceil(NORM_BWD_CUBES);
+    let blocks = rows.div_ceil(rows_per_cube);
+    let partial = empty_device_contiguous_dtype(
+        client.clone(),
+        device.clone(),
+        if want_dw {
+            Shape::new([blocks, hidden])
+        } else {
+            Shape::new([1])
+        },
+        DType::F32,
+    );
+    // SAFETY: cube `b` reads rows `b * rows_per_cube ..` clamped to `rows`; vector indices stay
+    // inside the row; `partial` has `blocks * hidden` elements when written.
+    unsafe {
+        rms_norm_bwd_kernel::launch_unchecked::<R>(
+            &client,
+            cubes(blocks),
+            CubeDim::new_1d(threads as u32),
+            nv,
+            x.into_tensor_arg(),
+            weight.into_tensor_arg(),
+            dy.into_tensor_arg(),
+            inv_rms.into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            partial.clone().into_tensor_arg(),
+            rows as u32,
+            row_vectors as u32,
+            hidden as f32,
+            rows_per_cube as u32,
+            nv,
+            vpt,
+            threads,
+            want_dw,
+            dtype.into(),
+        );
+    }
+    let dw = want_dw.then(|| {
+        let dw = alloc_dw();
+        // SAFETY: one thread per (column, group); columns past `hidden` only write shared
+        // memory; rows stay below `blocks`.
+        unsafe {
+            column_sum_kernel::launch_unchecked::<R>(
+                &client,
+                CubeCount::Static(hidden.div_ceil(32) as u32, 1, 1),
+                CubeDim::new_1d((32 * COLSUM_GROUPS) as u32),
+                partial.into_tensor_arg(),
+                dw.clone().into_tensor_arg(),
+                blocks as u32,
+                hidden as u32,
+                COLSUM_GROUPS,
+                dtype.into(),
+            );
+        }
+        dw
+    });
+    (dx, dw)
+}
+
+fn check_same<R: CubeRuntime>(op: &str, a: &CubeTensor<R>, b: &CubeTensor<R>) {
+    assert!(
+        a.meta.shape() == b.meta.shape() && a.dtype == b.dtype,
+        "{op}: operands differ: {:?} {:?} vs {:?} {:?}",
+        a.meta.shape(),
+        a.dtype,
+        b.meta.shape(),
+        b.dtype
+    );
+    check_float(op, a);
+    a.assert_is_on_same_device(b);
+}
+
+/// Vector width, vector count and launch grid of an elementwise kernel over contiguous tensors.
+fn elementwise_launch<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> (usize, usize, CubeCount) {
+    let shape = tensors[0].meta.shape();
+    let last = shape[shape.num_dims() - 1];
+    let nv = vector_width(tensors, last);
+    let len = shape.num_elements() / nv;
+    let count = calculate_cube_count_elemwise(
+        &tensors[0].client,
+        len,
+        CubeDim::new_1d(ELEMWISE_THREADS as u32),
+    );
+    (nv, len, count)
+}
+
+/// `silu(gate) * up` in one pass (f32 arithmetic, one rounding to the inputs' dtype).
+///
+/// # Panics
+/// On mismatched shapes or dtypes.
+pub fn swiglu_forward<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
+    check_same("swiglu", &gate, &up);
+    let (gate, up) = (into_contiguous(gate), into_contiguous(up));
+    check_u32("swiglu", &gate);
+    let out = empty_device_contiguous_dtype(
+        gate.client.clone(),
+        gate.device.clone(),
+        gate.meta.shape().clone(),
+        gate.dtype,
+    );
+    let (nv, len, count) = elementwise_launch(&[&gate, &up, &out]);
+    if len == 0 {
+        return out;
+    }
+    let (client, dtype) = (gate.client.clone(), gate.dtype);
+    // SAFETY: the kernel guards `i < len`, the vector count of every (contiguous) operand.
+    unsafe {
+        swiglu_fwd_kernel::launch_unchecked::<R>(
+            &client,
+            count,
+            CubeDim::new_1d(ELEMWISE_THREADS as u32),
+            nv,
+            gate.into_tensor_arg(),
+            up.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            len as u32,
+            dtype.into(),
+        );
+    }
+    out
+}
+
+/// The gradients `(dgate, dup)` of [`swiglu_forward`] for the upstream `d_out`, in one pass.
+///
+/// # Panics
+/// On mismatched shapes or dtypes.
+pub fn swiglu_backward<R: CubeRuntime>(
+    gate: CubeTensor<R>,
+    up: CubeTensor<R>,
+    d_out: CubeTensor<R>,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    check_same("swiglu backward", &gate, &up);
+    check_same("swiglu backward", &gate, &d_out);
+    let (gate, up, d_out) = (
+        into_contiguous(gate),
+        into_contiguous(up),
+        into_contiguous(d_out),
+    );
+    check_u32("swiglu backward", &gate);
+    let alloc = || {
+        empty_device_contiguous_dtype(
+            gate.client.clone(),
+            gate.device.clone(),
+            gate.meta.shape().clone(),
+            gate.dtype,
+        )
+    };
+    let (d_gate, d_up) = (alloc(), alloc());
+    let (nv, len, count) = elementwise_launch(&[&gate, &up, &d_out, &d_gate, &d_up]);
+    if len == 0 {
+        return (d_gate, d_up);
+    }
+    let (client, dtype) = (gate.client.clone(), gate.dtype);
+    // SAFETY: as swiglu_forward.
+    unsafe {
+        swiglu_bwd_kernel::launch_unchecked::<R>(
+            &client,
+            count,
+            CubeDim::new_1d(ELEMWISE_THREADS as u32),
+            nv,
+            gate.into_tensor_arg(),
+            up.into_tensor_arg(),
+            d_out.into_tensor_arg(),
+            d_gate.clone().into_tensor_arg(),
+            d_up.clone().into_tensor_arg(),
+            len as u32,
+            dtype.into(),
+        );
+    }
+    (d_gate, d_up)
+}
+
+/// A rotary table as the kernel reads it: f32, contiguous, `[seq, head_dim]`.
+pub fn rope_table<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
+    check_float("rope table", &t);
+    into_contiguous(cast(t, DType::F32))
+}
+
+/// Rotary embedding (`backward = false`) or its transpose (`backward = true`, the gradient
+/// with respect to the input) of `x: [batch, heads, seq, head_dim]`, with tables from
+/// [`rope_table`]. `x` may have any strides; the result is contiguous, in x's dtype.
+///
+/// # Panics
+/// On shapes that do not match or an odd head dim.
+pub fn rope_apply<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    cos: &CubeTensor<R>,
+    sin: &CubeTensor<R>,
+    backward: bool,
+) -> CubeTensor<R> {
+    let shape = x.meta.shape().clone();
+    assert!(
+        shape.num_dims() == 4,
+        "rope: x must be [batch, heads, seq, head_dim], got {shape:?}"
+    );
+    let (heads, seq, d) = (shape[1], shape[2], shape[3]);
+    assert!(
+        d.is_multiple_of(2)
+            && cos.meta.shape().as_slice() == [seq, d]
+            && sin.meta.shape().as_slice() == [seq, d]
+            && cos.dtype == DType::F32
+            && sin.dtype == DType::F32
+            && cos.is_contiguous()
+            && sin.is_contiguous(),
+        "rope: x {shape:?} needs an even head dim and contiguous f32 tables [seq, head_dim] \
+         (rope_table), got cos {:?} {:?}, sin {:?} {:?}",
+        cos.meta.shape(),
+        cos.dtype,
+        sin.meta.shape(),
+        sin.dtype
+    );
+    check_float("rope", &x);
+    x.assert_is_on_same_device(cos);
+    let x = if x.meta.strides()[3] != 1 {
+        into_contiguous(x)
+    } else {
+        x
+    };
+    check_u32("rope", &x);
+    let out =
+        empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), shape.clone(), x.dtype);
+    let half = d / 2;
+    let nv = vector_width(&[&x, &out], half);
+    let half_vectors = half / nv;
+    let total = shape.num_elements() / 2 / nv;
+    if total == 0 {
+        return out;
+    }
+    let (client, dtype) = (x.client.clone(), x.dtype);
+    let count =
+        calculate_cube_count_elemwise(&client, total, CubeDim::new_1d(ELEMWISE_THREADS as u32));
+    // SAFETY: the kernel guards `pos < total`; (batch, head, position) come from the checked
+    // shape, the strides from the tensor, so every index stays inside `x`, `out` and the tables.
+    unsafe {
+        rope_kernel::launch_unchecked::<R>(
+            &client,
+            count,
+            CubeDim::new_1d(ELEMWISE_THREADS as u32),
+            nv,
+            x.into_tensor_arg(),
+            cos.clone().into_tensor_arg(),
+            sin.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            total as u32,
+            heads as u32,
+            seq as u32,
+            half_vectors as u32,
+            nv,
+            backward,
+            dtype.into(),
+        );
+    }
+    out
+}
+
+// ------------------------------------------------------------------------------------------
+// Autodiff ops on the CUDA backend
+// ------------------------------------------------------------------------------------------
+
+fn wrap<const D: usize>(t: Cube) -> BurnTensor<CudaCube, D> {
+    BurnTensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+#[derive(Debug)]
+struct RmsNormBackward;
+
+impl Backward<CudaCube, 2> for RmsNormBackward {
+    /// x, weight, per-row inverse rms (f32).
+    type State = (Cube, Cube, Cube);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x, node_w] = ops.parents;
+        let dy = grads.consume::<CudaCube>(&ops.node);
+        let (x, w, inv_rms) = ops.state;
+        let (dx, dw) = rms_norm_backward(x, w, inv_rms, dy, node_w.is_some());
+        if let Some(node) = node_x {
+            grads.register::<CudaCube>(node.id, dx);
+        }
+        if let (Some(node), Some(dw)) = (node_w, dw) {
+            grads.register::<CudaCube>(node.id, dw);
+        }
+    }
+}
+
+/// RMSNorm of `x: [rows, hidden]` through the fused kernels on the autodiff CUDA backend;
+/// differentiable in `x` and `weight`. Saves `x` and the f32 inverse rms per row.
+pub fn rms_norm_autodiff(
+    x: BurnTensor<CudaAutodiff, 2>,
+    weight: BurnTensor<CudaAutodiff, 1>,
+    eps: f64,
+) -> BurnTensor<CudaAutodiff, 2> {
+    let x = x.into_primitive().tensor();
+    let w = weight.into_primitive().tensor();
+    let out = match RmsNormBackward
+        .prepare::<NoCheckpointing>([x.node.clone(), w.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let (y, inv_rms) = rms_norm_forward(x.primitive.clone(), w.primitive.clone(), eps);
+            prep.finish((x.primitive, w.primitive, inv_rms), y)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(rms_norm_forward(x.primitive, w.primitive, eps).0),
+    };
+    BurnTensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// [`rms_norm_autodiff`]'s forward on the plain backend (evaluation, sampling).
+pub fn rms_norm_plain(
+    x: BurnTensor<CudaCube, 2>,
+    weight: BurnTensor<CudaCube, 1>,
+    eps: f64,
+) -> BurnTensor<CudaCube, 2> {
+    let (y, _) = rms_norm_forward(
+        x.into_primitive().tensor(),
+        weight.into_primitive().tensor(),
+        eps,
+    );
+    wrap(y)
+}
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl Backward<CudaCube, 2> for SwigluBackward {
+    /// gate, up.
+    type State = (Cube, Cube);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node_gate, node_up] = ops.parents;
+        let d_out = grads.consume::<CudaCube>(&ops.node);
+        let (gate, up) = ops.state;
+        let (d_gate, d_up) = swiglu_backward(gate, up, d_out);
+        if let Some(node) = node_gate {
+            grads.register::<CudaCube>(node.id, d_gate);
+        }
+        if let Some(node) = node_up {
+            grads.register::<CudaCube>(node.id, d_up);
+        }
+    }
+}
+
+/// `silu(gate) * up` through the fused kernels on the autodiff CUDA backend; differentiable in
+/// both. Saves the two inputs (which the reference keeps too) and nothing else.
+pub fn swiglu_autodiff<const D: usize>(
+    gate: BurnTensor<CudaAutodiff, D>,
+    up: BurnTensor<CudaAutodiff, D>,
+) -> BurnTensor<CudaAutodiff, D> {
+    let gate = gate.into_primitive().tensor();
+    let up = up.into_primitive().tensor();
+    let out = match SwigluBackward
+        .prepare::<NoCheckpointing>([gate.node.clone(), up.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let y = swiglu_forward(gate.primitive.clone(), up.primitive.clone());
+            prep.finish((gate.primitive, up.primitive), y)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(swiglu_forward(gate.primitive, up.primitive)),
+    };
+    BurnTensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// [`swiglu_autodiff`]'s forward on the plain backend.
+pub fn swiglu_plain<const D: usize>(
+    gate: BurnTensor<CudaCube, D>,
+    up: BurnTensor<CudaCube, D>,
+) -> BurnTensor<CudaCube, D> {
+    wrap(swiglu_forward(
+        gate.into_primitive().tensor(),
+        up.into_primitive().tensor(),
+    ))
+}
+
+#[derive(Debug)]
+struct RopeBackward;
+
+impl Backward<CudaCube, 1> for RopeBackward {
+    /// The f32 tables.
+    type State = (Cube, Cube);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x] = ops.parents;
+        let dy = grads.consume::<CudaCube>(&ops.node);
+        let (cos, sin) = ops.state;
+        if let Some(node) = node_x {
+            grads.register::<CudaCube>(node.id, rope_apply(dy, &cos, &sin, true));
+        }
+    }
+}
+
+/// Rotary embedding of `x: [batch, heads, seq, head_dim]` through the fused kernels on the
+/// autodiff CUDA backend; differentiable in `x` (the tables are constants). Saves only the
+/// tables.
+pub fn rope_autodiff(
+    x: BurnTensor<CudaAutodiff, 4>,
+    cos: BurnTensor<CudaCube, 2>,
+    sin: BurnTensor<CudaCube, 2>,
+) -> BurnTensor<CudaAutodiff, 4> {
+    let cos = rope_table(cos.into_primitive().tensor());
+    let sin = rope_table(sin.into_primitive().tensor());
+    let x = x.into_primitive().tensor();
+    let out = match RopeBackward
+        .prepare::<NoCheckpointing>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let y = rope_apply(x.primitive, &cos, &sin, false);
+            prep.finish((cos, sin), y)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(rope_apply(x.primitive, &cos, &sin, false)),
+    };
+    BurnTensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// [`rope_autodiff`]'s forward on the plain backend.
+pub fn rope_plain(
+    x: BurnTensor<CudaCube, 4>,
+    cos: BurnTensor<CudaCube, 2>,
+    sin: BurnTensor<CudaCube, 2>,
+) -> BurnTensor<CudaCube, 4> {
+    let cos = rope_table(cos.into_primitive().tensor());
+    let sin = rope_table(sin.into_primitive().tensor());
+    wrap(rope_apply(x.into_primitive().tensor(), &cos, &sin, false))
+}
