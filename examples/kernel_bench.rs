@@ -3,6 +3,7 @@
 //! `kernel_bench check`: every fast op against the reference op on fresh random inputs (forward
 //! and gradients), odd shapes included; exits non-zero on a miss.
 //! `kernel_bench attention`: only the attention part of `check`.
+//! `kernel_bench adamw`: the fused AdamW check, then its bandwidth against the Burn-ops update.
 //! `kernel_bench gemm`: linear-layer GEMM TFLOP/s at the Llama 1B and 7B shapes, three ways in
 //! one process: our cuBLAS linear on Burn tensors (ordering included), Burn's stock matmul, and
 //! cuBLAS called directly on raw buffers (the goal: ours at least 95 % of direct).
@@ -11,11 +12,12 @@
 use std::time::Instant;
 
 use burn::backend::Autodiff;
-use burn::tensor::{DType, Distribution, Tensor, backend::Backend};
+use burn::tensor::{DType, Distribution, Tensor, TensorPrimitive, backend::Backend};
 use cudarc::cublas::{CudaBlas, result as cbr, sys as cbs};
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use half::bf16;
 use smp_burn::cuda::CudaCube;
+use smp_burn::cuda::adamw::{AdamWStep, adamw_step};
 use smp_burn::fast::{FastPaths, set_fast_paths};
 use smp_burn::ops;
 
@@ -183,6 +185,150 @@ fn check_attention() -> bool {
     ok
 }
 
+/// The reference AdamW update (what `fsdp::ShardedUnit::adamw_step` computes with Burn ops) on
+/// the host in f64, for one element.
+fn adamw_ref(p: f32, g: f32, m: f32, v: f32, hp: &AdamWStep, decays: bool) -> [f32; 3] {
+    let (p, g, m, v) = (p as f64, g as f64, m as f64, v as f64);
+    let (b1, b2) = (hp.beta1 as f64, hp.beta2 as f64);
+    let m = m * b1 + g * (1.0 - b1);
+    let v = v * b2 + g * g * (1.0 - b2);
+    let denom = (v * hp.inv_bias2 as f64).sqrt() + hp.eps as f64;
+    let decay = if decays {
+        hp.lr as f64 * hp.weight_decay as f64
+    } else {
+        0.0
+    };
+    let p = p - p * decay - m * hp.inv_bias1 as f64 / denom * hp.lr as f64;
+    [p as f32, m as f32, v as f32]
+}
+
+fn adamw_hp(step: i32) -> AdamWStep {
+    let (beta1, beta2) = (0.9f32, 0.95f32);
+    AdamWStep {
+        lr: 3e-4,
+        beta1,
+        beta2,
+        eps: 1e-8,
+        inv_bias1: 1.0 / (1.0 - beta1.powi(step)),
+        inv_bias2: 1.0 / (1.0 - beta2.powi(step)),
+        weight_decay: 0.1,
+    }
+}
+
+/// The fused AdamW kernel against the f64 host reference on random state, odd lengths and
+/// several decay runs, with a clipping factor read from the device.
+fn check_adamw() -> bool {
+    let dev = device();
+    let mut ok = true;
+    for (len, runs) in [
+        (1usize, vec![(0..1, true)]),
+        (1000, vec![(0..600, true), (600..1000, false)]),
+        (
+            4097,
+            vec![(0..7, false), (7..4000, true), (4000..4097, false)],
+        ),
+    ] {
+        let rnd = |scale: f32| {
+            Tensor::<B, 1>::random([len], Distribution::Normal(0.0, scale as f64), &dev)
+        };
+        let (p, g, m) = (rnd(1.0), rnd(1.0), rnd(0.1));
+        let v = rnd(0.01).abs();
+        let scale = Tensor::<B, 1>::from_floats([0.5], &dev);
+        let hp = adamw_hp(3);
+        let h = |t: &Tensor<B, 1>| host(t.clone());
+        let (hp_, hg, hm, hv) = (h(&p), h(&g), h(&m), h(&v));
+        let prim = |t: &Tensor<B, 1>| t.clone().into_primitive().tensor();
+        let (np, nm, nv) = adamw_step(
+            prim(&p).copy(),
+            prim(&m).copy(),
+            prim(&v).copy(),
+            prim(&g),
+            prim(&scale),
+            hp,
+            &runs,
+        );
+        let back = |c| host(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(c)));
+        let got = [back(np), back(nm), back(nv)];
+        let mut want = [vec![0f32; len], vec![0f32; len], vec![0f32; len]];
+        for (r, decays) in &runs {
+            for i in r.clone() {
+                let w = adamw_ref(hp_[i], hg[i] * 0.5, hm[i], hv[i], &hp, *decays);
+                for k in 0..3 {
+                    want[k][i] = w[k];
+                }
+            }
+        }
+        let e: Vec<f32> = (0..3).map(|k| rel_err(&got[k], &want[k])).collect();
+        // f32 arithmetic against f64: a few ulps of the largest value.
+        let pass = e.iter().all(|&x| x <= 1e-5);
+        ok &= pass;
+        println!(
+            "adamw f32 len {len} runs {}: rel err master {:.2e} exp_avg {:.2e} exp_avg_sq {:.2e} (tolerance 1e-5) {}",
+            runs.len(),
+            e[0],
+            e[1],
+            e[2],
+            if pass { "ok" } else { "FAIL" }
+        );
+    }
+    ok
+}
+
+/// Fused AdamW against the Burn-ops reference (the same formula as
+/// `fsdp::ShardedUnit::adamw_step`'s fallback) on a 7B-on-two-GPUs-sized shard slice.
+fn bench_adamw() {
+    let dev = device();
+    let n = 1usize << 28;
+    let rnd = || Tensor::<B, 1>::random([n], Distribution::Normal(0.0, 0.01), &dev);
+    let g = rnd();
+    let scale = Tensor::<B, 1>::from_floats([1.0], &dev);
+    let hp = adamw_hp(10);
+    let runs = [(0..n - 4096, true), (n - 4096..n, false)];
+    let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
+    // Moved in and out by value so that every buffer is uniquely held and updated in place,
+    // as in training (a second handle would make the kernel copy first).
+    let mut state = Some((prim(rnd()), prim(rnd()), prim(rnd().abs())));
+    let fused = time(10, || {
+        let (a, b, c) = state.take().expect("state is put back after each call");
+        state = Some(adamw_step(
+            a,
+            b,
+            c,
+            prim(g.clone()),
+            prim(scale.clone()),
+            hp,
+            &runs,
+        ));
+    });
+    drop(state);
+    let (mut p, mut m, mut v) = (rnd(), rnd(), rnd().abs());
+    let mask = Tensor::cat(
+        vec![
+            Tensor::<B, 1>::ones([n - 4096], &dev),
+            Tensor::<B, 1>::zeros([4096], &dev),
+        ],
+        0,
+    );
+    let (b1, b2) = (hp.beta1 as f64, hp.beta2 as f64);
+    let reference = time(5, || {
+        let gg = g.clone() * scale.clone();
+        m = m.clone() * b1 + gg.clone() * (1.0 - b1);
+        v = v.clone() * b2 + gg.square() * (1.0 - b2);
+        let denom = (v.clone() * hp.inv_bias2 as f64).sqrt() + hp.eps as f64;
+        let update = m.clone() * hp.inv_bias1 as f64 / denom;
+        let decayed = p.clone() - p.clone() * mask.clone() * (hp.lr * hp.weight_decay) as f64;
+        p = decayed - update * hp.lr as f64;
+    });
+    let bytes = 28.0 * n as f64;
+    println!(
+        "adamw {n} f32 params: fused {:.3} ms ({:.0} GB/s effective, 28 B/param), Burn ops {:.3} ms ({:.1}x)",
+        fused * 1e3,
+        bytes / fused / 1e9,
+        reference * 1e3,
+        reference / fused
+    );
+}
+
 /// Median seconds per call of `f` over `iters` calls, each followed by a device sync.
 fn time(iters: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..3 {
@@ -310,11 +456,16 @@ fn main() {
             "check" => {
                 ok &= check();
                 ok &= check_attention();
+                ok &= check_adamw();
+            }
+            "adamw" => {
+                ok &= check_adamw();
+                bench_adamw();
             }
             "attention" => ok &= check_attention(),
             "gemm" => gemm(),
             other => {
-                eprintln!("unknown part {other:?}: use check, attention and/or gemm");
+                eprintln!("unknown part {other:?}: use check, attention, adamw and/or gemm");
                 std::process::exit(2);
             }
         }
