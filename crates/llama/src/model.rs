@@ -205,13 +205,14 @@ impl<B: Backend> LmHead<B> {
         self.lm_head.forward(self.norm.forward(x))
     }
 
-    /// Mean next-token cross-entropy against `targets: [batch, seq]`.
+    /// Mean next-token cross-entropy against `targets: [batch, seq]`, through
+    /// `ops::linear_cross_entropy`: where the backend allows, the LM head and the loss run in
+    /// token chunks, so the `[batch * seq, vocab]` logits are never all held in f32.
     pub fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let [batch, seq, _] = x.dims();
-        let logits = self.logits(x);
-        let vocab = logits.dims()[2];
-        ops::cross_entropy(
-            logits.reshape([batch * seq, vocab]),
+        let [batch, seq, hidden] = x.dims();
+        ops::linear_cross_entropy(
+            self.norm.forward(x).reshape([batch * seq, hidden]),
+            self.lm_head.weight.val(),
             targets.reshape([batch * seq]),
         )
     }
