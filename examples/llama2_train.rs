@@ -21,7 +21,9 @@ use llama::train::{self, H100_PEAK_FLOPS, Prepared, RankGroups, Summary, TrainCo
 use smp_burn::{HostTensorComm, ParallelDims, Precision, TensorComm};
 
 #[derive(Parser, Debug)]
-#[command(about = "Train Llama 2 with smp-burn (sharded data parallelism on CPU threads or GPUs)")]
+#[command(
+    about = "Train Llama 2 with smp-burn (sharded data and tensor parallelism on CPU threads or GPUs)"
+)]
 struct Cli {
     /// Read the run's configuration from a TOML file (command-line flags override it).
     #[arg(long)]
@@ -99,6 +101,11 @@ struct Cli {
     /// Shard parameters across groups of this many ranks and replicate across groups (0 = all).
     #[arg(long)]
     hybrid_shard_degree: Option<usize>,
+    /// Split each decoder layer across this many ranks (Megatron-style tensor parallelism with
+    /// sequence parallelism; 1 = off). Must divide the world size, `--seq-len`, the heads, the
+    /// key/value heads and the MLP width; FSDP then shards across the remaining ranks.
+    #[arg(long)]
+    tensor_parallel_degree: Option<usize>,
     /// Start the next unit's all-gather before the current unit runs (1) or not (0, the
     /// default). On CUDA the gather then runs beside the compute; that path is new and its gain
     /// not yet measured on GPUs.
@@ -170,6 +177,9 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
     }
     if let Some(k) = cli.hybrid_shard_degree {
         c.parallel.hybrid_shard_degree = k;
+    }
+    if let Some(tp) = cli.tensor_parallel_degree {
+        c.parallel.tensor_parallel_degree = tp;
     }
     if let Some(d) = cli.prefetch_depth {
         c.parallel.prefetch_depth = d;
@@ -330,6 +340,9 @@ fn run(cli: Cli) -> Result<(), DynError> {
         cli.nproc_per_node.unwrap_or(if cuda { gpus } else { 1 })
     };
     ParallelDims::new(&config.parallel, world)?;
+    // The model's shape is known before the tokenizer except for the vocabulary, which
+    // tensor parallelism does not split.
+    train::check_tensor_parallel(&config, &train::model_config(&config, 1)?)?;
     train::accumulation_steps(
         &config,
         world / config.parallel.tensor_parallel_degree.max(1),

@@ -9,6 +9,7 @@ use collectives::{Communicator, DeviceMesh};
 use llama::LlamaConfig;
 use llama::parallel::{ShardedLlama, seeded_init};
 use smp_burn::fsdp::{AdamW, FsdpContext, StateKind};
+use smp_burn::tp::TpContext;
 use smp_burn::{HostTensorComm, ParallelConfig, ParallelDims, TensorComm};
 
 /// The CPU backend the tests train on.
@@ -62,10 +63,17 @@ pub fn train_rank(
         mesh.axis("replicate").expect("replicate axis"),
     ));
     let ctx = FsdpContext::new(shard, Some(replicate), parallel);
+    // Tensor parallelism over the mesh's innermost axis (ranks with the same data).
+    let tp = (dims.tensor > 1).then(|| {
+        TpContext::new(Arc::new(HostTensorComm::new(
+            mesh.axis("tensor").expect("tensor axis"),
+        )))
+    });
     let init = seeded_init(42);
-    let mut model = ShardedLlama::<Cpu>::new(
+    let mut model = ShardedLlama::<Cpu>::with_tensor_parallel(
         config,
         ctx,
+        tp,
         &device,
         parallel.activation_checkpointing,
         &init,

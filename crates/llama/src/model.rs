@@ -12,6 +12,7 @@ use smp_burn::init::InitRule;
 use smp_burn::ops;
 
 use crate::config::LlamaConfig;
+use crate::error::Result;
 
 /// A bias-free linear layer with PyTorch's weight layout.
 #[derive(Module, Debug)]
@@ -96,19 +97,26 @@ pub struct Attention<B: Backend> {
 
 impl<B: Backend> Attention<B> {
     /// `x: [batch, seq, hidden]`; `cos`/`sin`: rotary tables `[seq, head_dim]`.
+    ///
+    /// The head width is taken from the query projection (`q_proj` outputs / `num_heads`), not
+    /// from `hidden`: on a tensor-parallel rank the projections hold only this rank's heads, so
+    /// the attention output is `num_heads * head_dim` wide, a slice of `hidden`, and `o_proj`
+    /// (row-parallel) maps it back to a partial sum of the full width.
     pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -> Tensor<B, 3> {
-        let [batch, seq, hidden] = x.dims();
-        let head_dim = hidden / self.num_heads;
+        let [batch, seq, _] = x.dims();
+        let q = self.q_proj.forward(x.clone());
+        let width = q.dims()[2];
+        let head_dim = width / self.num_heads;
         let heads =
             |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, head_dim]).swap_dims(1, 2);
-        let q = heads(self.q_proj.forward(x.clone()), self.num_heads);
+        let q = heads(q, self.num_heads);
         let k = heads(self.k_proj.forward(x.clone()), self.num_kv_heads);
         let v = heads(self.v_proj.forward(x), self.num_kv_heads);
         let q = ops::rope(q, cos.clone(), sin.clone());
         let k = ops::rope(k, cos, sin);
         let out = ops::causal_attention(q, k, v)
             .swap_dims(1, 2)
-            .reshape([batch, seq, hidden]);
+            .reshape([batch, seq, width]);
         self.o_proj.forward(out)
     }
 }
@@ -174,11 +182,51 @@ impl<B: Backend> DecoderLayer<B> {
 
     /// `[batch, seq, hidden]` to the same shape.
     pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -> Tensor<B, 3> {
-        let h = x.clone()
-            + self
-                .self_attn
-                .forward(self.input_layernorm.forward(x), cos, sin);
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        self.forward_split(x, cos, sin, &Unsplit)
+            .expect("the unsplit layer runs no collective, so it cannot fail")
+    }
+
+    /// The layer with the entry and exit of each split region left to `sp`: `sp.enter` before
+    /// the attention and the MLP (after their norms), `sp.exit` after them (before the
+    /// residual add). With [`Unsplit`] this is [`Self::forward`]; with sequence parallelism
+    /// (`llama::parallel`) `x` is this rank's `[batch, seq / tp, hidden]` chunk, `enter`
+    /// gathers the sequence for the column-parallel projections and `exit` reduce-scatters the
+    /// row-parallel projections' partial sums back to the chunk. `cos`/`sin` cover the full
+    /// sequence, since rotary embeddings are applied after `enter`.
+    pub fn forward_split(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 2>,
+        sin: Tensor<B, 2>,
+        sp: &dyn SplitRegions<B>,
+    ) -> Result<Tensor<B, 3>> {
+        let attn_in = sp.enter(self.input_layernorm.forward(x.clone()))?;
+        let h = x + sp.exit(self.self_attn.forward(attn_in, cos, sin))?;
+        let mlp_in = sp.enter(self.post_attention_layernorm.forward(h.clone()))?;
+        Ok(h.clone() + sp.exit(self.mlp.forward(mlp_in))?)
+    }
+}
+
+/// Where a decoder layer's split regions (attention and MLP, between their norm and the
+/// residual add) begin and end. The model stays free of collectives: the parallel layer
+/// supplies an implementation that runs them (`llama::parallel`), [`Unsplit`] runs none.
+pub trait SplitRegions<B: Backend> {
+    /// Before the column-parallel projections: the norm's output to the region's input.
+    fn enter(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>>;
+    /// After the row-parallel projection: the region's output to what the residual adds.
+    fn exit(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>>;
+}
+
+/// No split: both region boundaries are the identity.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unsplit;
+
+impl<B: Backend> SplitRegions<B> for Unsplit {
+    fn enter(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>> {
+        Ok(x)
+    }
+    fn exit(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>> {
+        Ok(x)
     }
 }
 

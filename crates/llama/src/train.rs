@@ -9,6 +9,7 @@ use burn::tensor::{Int, Tensor, TensorData, backend::AutodiffBackend};
 use collectives::{Communicator, DeviceMesh};
 use serde::{Deserialize, Serialize};
 use smp_burn::fsdp::{AdamW, FsdpContext, StateKind};
+use smp_burn::tp::TpContext;
 use smp_burn::{HostTensorComm, ParallelConfig, ParallelDims, SmpError, TensorComm};
 
 use crate::config::LlamaConfig;
@@ -237,8 +238,11 @@ pub fn prepare(config: TrainConfig) -> Result<Prepared> {
 pub struct RankGroups<IB: burn::tensor::backend::Backend> {
     /// All ranks (host communicator, for small control messages).
     pub world: Arc<dyn Communicator>,
-    /// Sharding context (shard and replica groups).
+    /// Sharding context (shard and replica groups: ranks with the same tensor-parallel index).
     pub fsdp: FsdpContext<IB>,
+    /// The tensor-parallel group (the mesh's `tensor` axis); `None` when
+    /// `tensor_parallel_degree` is 1.
+    pub tp: Option<TpContext<IB>>,
     /// Index of this rank among the data-parallel ranks.
     pub dp_rank: usize,
     /// Data-parallel ranks.
@@ -247,7 +251,10 @@ pub struct RankGroups<IB: burn::tensor::backend::Backend> {
 
 impl<IB: burn::tensor::backend::Backend> RankGroups<IB> {
     /// Lays `world` out as the mesh `parallel` asks for and wraps each axis' host communicator
-    /// with `tensor_comm` (NCCL on GPUs, host memory elsewhere). Collective over `world`.
+    /// with `tensor_comm` (NCCL on GPUs, host memory elsewhere): the shard and replicate axes
+    /// for FSDP, then, with tensor parallelism, the tensor axis. Every rank creates them in
+    /// this order, so NCCL communicators (whose creation is collective) never wait on each
+    /// other. Collective over `world`.
     pub fn new(
         world: Arc<dyn Communicator>,
         parallel: &ParallelConfig,
@@ -259,8 +266,16 @@ impl<IB: burn::tensor::backend::Backend> RankGroups<IB> {
         let mesh = DeviceMesh::new(world.clone(), &dims.mesh_axes()).map_err(SmpError::from)?;
         let shard = tensor_comm(mesh.axis("shard").map_err(SmpError::from)?)?;
         let replicate = tensor_comm(mesh.axis("replicate").map_err(SmpError::from)?)?;
+        let tp = if dims.tensor > 1 {
+            Some(TpContext::new(tensor_comm(
+                mesh.axis("tensor").map_err(SmpError::from)?,
+            )?))
+        } else {
+            None
+        };
         Ok(Self {
             fsdp: FsdpContext::new(shard, Some(replicate), parallel),
+            tp,
             dp_rank: world.rank() / dims.tensor,
             dp_size: world.world_size() / dims.tensor,
             world,
@@ -321,6 +336,18 @@ pub fn accumulation_steps(cfg: &TrainConfig, dp_size: usize) -> Result<usize> {
     Ok(cfg.global_batch_tokens / per_micro)
 }
 
+/// Checks that the run's `tensor_parallel_degree` splits its sequences (`seq_len`) and the
+/// model (heads, key/value heads, MLP width); each error names the values. Nothing to check
+/// without tensor parallelism.
+pub fn check_tensor_parallel(cfg: &TrainConfig, model: &LlamaConfig) -> Result<()> {
+    let tp = cfg.parallel.tensor_parallel_degree.max(1);
+    if tp == 1 {
+        return Ok(());
+    }
+    smp_burn::tp::split_len("seq_len", cfg.seq_len, tp)?;
+    model.validate_tensor_parallel(tp)
+}
+
 /// Trains one rank. Every rank of the job calls this with the same `prepared` data; rank 0
 /// writes files and shows progress. `peak_flops` is the device's peak for MFU (None on CPU).
 pub fn train_rank<B: AutodiffBackend>(
@@ -335,11 +362,22 @@ pub fn train_rank<B: AutodiffBackend>(
     let lead = rank == 0;
     let world = groups.world.world_size();
     let dims = ParallelDims::new(&cfg.parallel, world)?;
+    check_tensor_parallel(cfg, &prepared.model)?;
     let accum = accumulation_steps(cfg, groups.dp_size)?;
     let global_micro = cfg.micro_batch * groups.dp_size;
     let tokens_per_step = (global_micro * accum * cfg.seq_len) as u64;
 
     // Model: from a checkpoint, from Hugging Face weights, or from the seed.
+    let build = |init: &ParamInit<'_>| {
+        ShardedLlama::<B>::with_tensor_parallel(
+            &prepared.model,
+            groups.fsdp.clone(),
+            groups.tp.clone(),
+            device,
+            cfg.parallel.activation_checkpointing,
+            init,
+        )
+    };
     let resume_dir = if cfg.resume {
         latest_checkpoint(&cfg.out_dir)?
     } else {
@@ -358,13 +396,7 @@ pub fn train_rank<B: AutodiffBackend>(
                 ));
             }
             let weights = load_checked(&dir.join("model"), &prepared.model)?;
-            let mut model = ShardedLlama::<B>::new(
-                &prepared.model,
-                groups.fsdp.clone(),
-                device,
-                cfg.parallel.activation_checkpointing,
-                &map_init(&weights, &dir.join("model")),
-            )?;
+            let mut model = build(&map_init(&weights, &dir.join("model")))?;
             for (kind, sub) in [
                 (StateKind::ExpAvg, "exp_avg"),
                 (StateKind::ExpAvgSq, "exp_avg_sq"),
@@ -379,21 +411,9 @@ pub fn train_rank<B: AutodiffBackend>(
             let model = match &cfg.init_from_hf {
                 Some(hf_dir) => {
                     let weights = load_checked(hf_dir, &prepared.model)?;
-                    ShardedLlama::<B>::new(
-                        &prepared.model,
-                        groups.fsdp.clone(),
-                        device,
-                        cfg.parallel.activation_checkpointing,
-                        &map_init(&weights, hf_dir),
-                    )?
+                    build(&map_init(&weights, hf_dir))?
                 }
-                None => ShardedLlama::<B>::new(
-                    &prepared.model,
-                    groups.fsdp.clone(),
-                    device,
-                    cfg.parallel.activation_checkpointing,
-                    &seeded_init(cfg.seed),
-                )?,
+                None => build(&seeded_init(cfg.seed))?,
             };
             (model, 0, DataPosition::default())
         }
