@@ -1,7 +1,8 @@
 //! Checks smp-burn's flash-attention kernels against a plain f32 reference, then times them.
 //!
-//! Check: random bf16 inputs on CUDA device 0, both kernel variants (`plain`, and `cmma` where
-//! the device has bf16 tensor cores), odd shapes included; the reference runs in f32 on the CPU
+//! Check: random bf16 inputs on CUDA device 0, every kernel variant (`plain`; `cmma` where the
+//! device has bf16 `wmma`; `mma` where it has `mma.sync` m16n8k16 + `ldmatrix`), odd shapes
+//! included; the reference runs in f32 on the CPU
 //! (Burn's ndarray backend) on the same bf16-rounded values: scores = q k^T * scale, causal
 //! mask, softmax, @ v; gradients by the explicit formulas dP = dO V^T,
 //! dS = P * (dP - rowsum(dO * O)), dQ = dS K * scale, dK = dS^T Q * scale, dV = P^T dO, with
@@ -13,14 +14,23 @@
 //! Bench: causal, B=1, 32 q and 32 kv heads, hd 128, S = 4096 and 16384; forward and backward
 //! TFLOP/s (forward 4*B*H*S*S*D/2, backward 2.5x that), timed between device syncs.
 //!
-//! The shapes include S = 1, 65, 77, 129, 200, 300, 333, 1024, GQA (4 q heads on 2 or 1 kv
-//! heads) and MHA, hd 64 and 128, and a "sharp" case with q scaled by 20 so that row maxima
+//! The shapes include S = 1, 65, 77, 129, 200, 300, 333, 1000, 1024, GQA (4 q heads on 2 or 1
+//! kv heads) and MHA, hd 64 and 128, and a "sharp" case with q scaled by 20 so that row maxima
 //! jump between key blocks and the cmma forward's lazy-rescale path runs.
 //!
+//! The `mma` variant is labelled `mma[WxM]` with its tiling (W warps per cube, M 16-row tiles
+//! per warp; see `flash_mma::MmaTiling`) and is checked and benchmarked under every tiling
+//! unless `--mma-tiling` picks one. Before its checks, a fragment probe runs the Mma kernels'
+//! register-layout helpers on exact small-integer 16x16 products, so that a wrong layout
+//! assumption shows up as `mma fragment probe: FAIL` rather than as noise in attention errors.
+//! Its backward currently runs the cmma kernels; the lines say so.
+//!
 //! Flags: `--quick` (fewer shapes, S=4096 only), `--no-bench`, `--no-check`,
-//! `--variant plain|cmma` (only that one), `--iters N` (timed iterations, default 10).
+//! `--variant plain|cmma|mma` (only that one), `--mma-tiling 4x1|8x1|4x2|8x2|all` (default
+//! all), `--iters N` (timed iterations, default 10).
 //! Lines starting `RESULT|` are for machines:
-//! `RESULT|check|variant|dtype|shape|tensor|max_abs|rel|ok` and
+//! `RESULT|check|variant|dtype|shape|tensor|max_abs|rel|ok`,
+//! `RESULT|probe|mma|tensor|max_abs|ok` and
 //! `RESULT|bench|variant|S|fwd_ms|fwd_tflops|bwd_ms|bwd_tflops`.
 
 use std::time::Instant;
@@ -33,7 +43,8 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::Runtime;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use smp_burn::cuda::flash::{
-    FlashVariant, cmma_supported, flash_backward_with, flash_forward_with,
+    FlashVariant, MmaTiling, cmma_supported, flash_backward_with, flash_forward_with,
+    mma_fragment_probe, mma_supported, mma_tiling, set_mma_tiling,
 };
 
 type G = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -45,6 +56,8 @@ struct Args {
     bench: bool,
     check: bool,
     variant: Option<FlashVariant>,
+    /// Mma tilings to check and bench.
+    tilings: Vec<MmaTiling>,
     iters: usize,
 }
 
@@ -54,6 +67,7 @@ fn parse_args() -> Args {
         bench: true,
         check: true,
         variant: None,
+        tilings: MmaTiling::ALL.to_vec(),
         iters: 10,
     };
     let mut it = std::env::args().skip(1);
@@ -63,11 +77,24 @@ fn parse_args() -> Args {
             "--no-bench" => a.bench = false,
             "--no-check" => a.check = false,
             "--variant" => {
-                a.variant = Some(match it.next().as_deref() {
-                    Some("plain") => FlashVariant::Plain,
-                    Some("cmma") => FlashVariant::Cmma,
-                    other => panic!("--variant takes plain or cmma, got {other:?}"),
-                })
+                let name = it.next();
+                a.variant = Some(
+                    name.as_deref()
+                        .and_then(FlashVariant::parse)
+                        .unwrap_or_else(|| {
+                            panic!("--variant takes plain, cmma or mma, got {name:?}")
+                        }),
+                )
+            }
+            "--mma-tiling" => {
+                let name = it.next();
+                a.tilings = match name.as_deref() {
+                    Some("all") => MmaTiling::ALL.to_vec(),
+                    Some(t) => vec![MmaTiling::parse(t).unwrap_or_else(|| {
+                        panic!("--mma-tiling takes 4x1, 8x1, 4x2, 8x2 or all, got {t:?}")
+                    })],
+                    None => panic!("--mma-tiling needs a value"),
+                }
             }
             "--iters" => {
                 a.iters = it
@@ -188,11 +215,104 @@ fn errors(a: &[f32], b: &[f32]) -> (f32, f32) {
     (diff, diff / scale.max(f32::MIN_POSITIVE))
 }
 
-fn variant_name(v: FlashVariant) -> &'static str {
+/// The label of a variant in the output: `plain`, `cmma`, or `mma[WxM]` with the Mma tiling
+/// currently set.
+fn variant_name(v: FlashVariant) -> String {
     match v {
-        FlashVariant::Plain => "plain",
-        FlashVariant::Cmma => "cmma",
+        FlashVariant::Mma => format!("mma[{}]", mma_tiling()),
+        other => other.name().to_string(),
     }
+}
+
+/// Which kernels compute the gradients of a variant (the Mma backward is not written yet).
+fn bwd_kernels(v: FlashVariant) -> &'static str {
+    match v {
+        FlashVariant::Mma => "cmma",
+        other => other.name(),
+    }
+}
+
+/// Runs the Mma fragment helpers on exact small-integer products and compares with the host.
+/// A failure here means a register-layout assumption of the Mma kernels is wrong.
+fn mma_probe(dev: &CudaDevice) -> bool {
+    // Small integers: products and sums stay exact in bf16 (|s| <= 16 * 3 * 2 = 96) and f32.
+    let a: Vec<f32> = (0..256)
+        .map(|i| ((i / 16 * 3 + i % 16 * 5) % 7) as f32 - 3.0)
+        .collect();
+    let k: Vec<f32> = (0..256)
+        .map(|i| ((i / 16 * 2 + i % 16) % 5) as f32 - 2.0)
+        .collect();
+    let v: Vec<f32> = (0..256)
+        .map(|i| ((i / 16 + i % 16 * 3) % 5) as f32 - 2.0)
+        .collect();
+    let gpu = |x: &[f32]| {
+        prim(
+            Tensor::<G, 2>::from_data(TensorData::new(x.to_vec(), [16, 16]), dev).cast(DType::BF16),
+        )
+    };
+    let (s, o, pos) = mma_fragment_probe(gpu(&a), gpu(&k), gpu(&v));
+    let (s, o) = (host(wrap::<2>(s)), host(wrap::<2>(o)));
+    let pos: Vec<u32> = Tensor::<G, 2, Int>::from_primitive(pos)
+        .into_data()
+        .convert::<u32>()
+        .to_vec::<u32>()
+        .expect("u32 data");
+    // s = a k^T, o = s v.
+    let mut s_ref = vec![0f32; 256];
+    let mut o_ref = vec![0f32; 256];
+    for i in 0..16 {
+        for j in 0..16 {
+            s_ref[i * 16 + j] = (0..16).map(|c| a[i * 16 + c] * k[j * 16 + c]).sum();
+        }
+    }
+    for i in 0..16 {
+        for j in 0..16 {
+            o_ref[i * 16 + j] = (0..16).map(|c| s_ref[i * 16 + c] * v[c * 16 + j]).sum();
+        }
+    }
+    let mut ok = true;
+    let pos_want: Vec<u32> = (0..32u32)
+        .flat_map(|l| [l / 4, l / 4 + 8, 2 * (l % 4)])
+        .collect();
+    let pos_ok = pos == pos_want;
+    ok &= pos_ok;
+    println!(
+        "{} mma fragment probe accumulator positions (row lo, row hi, col) per lane{}",
+        if pos_ok { "ok  " } else { "FAIL" },
+        if pos_ok {
+            String::new()
+        } else {
+            format!("  <-- got {pos:?}, the row reductions assume {pos_want:?}")
+        }
+    );
+    println!(
+        "RESULT|probe|mma|positions|{}|{pos_ok}",
+        if pos_ok { 0 } else { 1 }
+    );
+    for (name, got, want) in [("S=QK^T", &s, &s_ref), ("O=PV", &o, &o_ref)] {
+        let (abs, _) = errors(got, want);
+        let good = abs == 0.0;
+        ok &= good;
+        println!(
+            "{} mma fragment probe {name}: max_abs {abs:.3e}{}",
+            if good { "ok  " } else { "FAIL" },
+            if good {
+                String::new()
+            } else {
+                let bad: Vec<String> = (0..256)
+                    .filter(|&i| got[i] != want[i])
+                    .take(8)
+                    .map(|i| format!("[{},{}] got {} want {}", i / 16, i % 16, got[i], want[i]))
+                    .collect();
+                format!(
+                    "  <-- layout assumption wrong; first mismatches: {}",
+                    bad.join(", ")
+                )
+            }
+        );
+        println!("RESULT|probe|mma|{name}|{abs:e}|{good}");
+    }
+    ok
 }
 
 /// One shape, one variant, one dtype; returns whether every tensor passed.
@@ -255,10 +375,15 @@ fn check_case(
         // dQ = dK = 0 and the relative error is noise over noise).
         let ok = rel <= tol || abs <= 1e-4;
         all_ok &= ok;
+        let label = if matches!(name, "O" | "lse") || bwd_kernels(variant) == variant.name() {
+            variant_name(variant)
+        } else {
+            format!("{}(bwd:{})", variant_name(variant), bwd_kernels(variant))
+        };
         println!(
-            "{} {:5} {:4} {:26} {:3}: max_abs {:.3e} rel {:.3e}{}",
+            "{} {:18} {:4} {:26} {:3}: max_abs {:.3e} rel {:.3e}{}",
             if ok { "ok  " } else { "FAIL" },
-            variant_name(variant),
+            label,
             dname,
             shape,
             name,
@@ -338,10 +463,11 @@ fn bench_case(dev: &CudaDevice, variant: FlashVariant, s: usize, iters: usize) {
     let bwd_flops = 2.5 * fwd_flops;
     let (ft, bt) = (fwd_flops / fwd_s / 1e12, bwd_flops / bwd_s / 1e12);
     println!(
-        "bench {:5} causal B{b} H{h} D{d} S{s:6}: fwd {:8.3} ms {:7.1} TFLOP/s | bwd {:8.3} ms {:7.1} TFLOP/s",
+        "bench {:9} causal B{b} H{h} D{d} S{s:6}: fwd {:8.3} ms {:7.1} TFLOP/s | bwd ({} kernels) {:8.3} ms {:7.1} TFLOP/s",
         variant_name(variant),
         fwd_s * 1e3,
         ft,
+        bwd_kernels(variant),
         bwd_s * 1e3,
         bt
     );
@@ -358,13 +484,27 @@ fn main() {
     let dev = CudaDevice::new(0);
     let client = CudaRuntime::client(&dev);
     let has_cmma = cmma_supported(&client, DType::BF16);
-    println!("flash_check: cmma (bf16 tensor cores) supported: {has_cmma}");
+    let has_mma = mma_supported(&client, DType::BF16);
+    println!(
+        "flash_check: cmma (bf16 wmma) supported: {has_cmma}; mma (bf16 mma.sync m16n8k16 + \
+         ldmatrix) supported: {has_mma}"
+    );
 
     let variants: Vec<FlashVariant> = match args.variant {
         Some(v) => vec![v],
-        None if has_cmma => vec![FlashVariant::Plain, FlashVariant::Cmma],
-        None => vec![FlashVariant::Plain],
+        None => [FlashVariant::Plain, FlashVariant::Cmma, FlashVariant::Mma]
+            .into_iter()
+            .filter(|v| v.supported(&client, DType::BF16))
+            .collect(),
     };
+    // (variant, Mma tiling to set first): the Mma variant once per tiling.
+    let runs: Vec<(FlashVariant, Option<MmaTiling>)> = variants
+        .iter()
+        .flat_map(|&v| match v {
+            FlashVariant::Mma => args.tilings.iter().map(|&t| (v, Some(t))).collect(),
+            _ => vec![(v, None)],
+        })
+        .collect();
 
     let mut failures = 0usize;
     if args.check {
@@ -380,12 +520,19 @@ fn main() {
             (1, 4, 2, 300, 64, 20.0),
         ];
         if !args.quick {
+            shapes.push((1, 4, 2, 1000, 128, 1.0));
             shapes.push((1, 4, 2, 1024, 128, 1.0));
             shapes.push((1, 4, 2, 1024, 64, 1.0));
             shapes.push((1, 2, 2, 333, 128, 1.0));
             shapes.push((1, 4, 2, 1024, 128, 20.0));
         }
-        for &variant in &variants {
+        if variants.contains(&FlashVariant::Mma) && !mma_probe(&dev) {
+            failures += 1;
+        }
+        for &(variant, tiling) in &runs {
+            if tiling.is_some() {
+                set_mma_tiling(tiling);
+            }
             for &(b, hq, hkv, s, d, gain) in &shapes {
                 if !check_case(&dev, variant, DType::BF16, b, hq, hkv, s, d, gain) {
                     failures += 1;
@@ -409,7 +556,10 @@ fn main() {
 
     if args.bench {
         let lens: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
-        for &variant in &variants {
+        for &(variant, tiling) in &runs {
+            if tiling.is_some() {
+                set_mma_tiling(tiling);
+            }
             for &s in lens {
                 // The plain kernels are ~10x slower; fewer iterations keep the run short.
                 let iters = if variant == FlashVariant::Plain {

@@ -32,6 +32,11 @@
 //!   registers while computing on the current one. Each warp owns 16 rows of the block, so
 //!   only the tile staging needs a cube-wide barrier.
 //!
+//! - [`FlashVariant::Mma`] ([`flash_mma`]): the products through `mma.sync` m16n8k16 with
+//!   manually managed registers, whose layout is documented, so the scores, the softmax, `P`
+//!   and `O` stay in registers (FlashAttention-2's structure). Forward only so far: its backward
+//!   runs the Cmma kernels (same `o`/`lse` contract).
+//!
 //! Masking uses a finite `-1e30` and forces masked probabilities to exactly 0, so rows with no
 //! visible key yet never produce NaN; padded rows and keys (past `S`) are zero-filled in shared
 //! memory so that `0 * garbage` cannot happen.
@@ -47,6 +52,10 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::MmaConfig;
 use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
+
+#[path = "flash_mma.rs"]
+pub mod flash_mma;
+pub use flash_mma::{MmaTiling, mma_fragment_probe, mma_supported, mma_tiling, set_mma_tiling};
 
 /// Rows and keys per block in the plain kernels (one thread per (row, quarter of the columns)).
 const PLAIN_BLOCK: usize = 64;
@@ -66,15 +75,23 @@ const DELTA_THREADS: usize = 256;
 
 /// Which implementation of the kernels to launch.
 ///
-/// Both compute the same function; `Plain` exists to check `Cmma` against on the GPU and to run
-/// where tensor cores or bf16/f16 inputs are missing.
+/// All compute the same function; `Plain` exists to check the others against on the GPU and to
+/// run where tensor cores or bf16/f16 inputs are missing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FlashVariant {
     /// Scalar f32 FMAs from shared memory; any float dtype.
     Plain,
     /// Tensor-core products (`wmma` 16x16x16, f32 accumulators); bf16 or f16 inputs only.
     Cmma,
+    /// Tensor-core products through `mma.sync` m16n8k16 with register-resident scores
+    /// ([`flash_mma`]); bf16 or f16 inputs, sm_80+. The backward currently runs the Cmma
+    /// kernels.
+    Mma,
 }
+
+/// Environment variable that picks the variant of the model path ([`flash_forward`],
+/// [`flash_backward`]): `plain`, `cmma` or `mma`; unset means [`FlashVariant::best`].
+pub const FLASH_VARIANT_ENV: &str = "SMP_BURN_FLASH";
 
 impl FlashVariant {
     /// `Cmma` when the device has 16x16x16 tensor-core products for `dtype` with f32
@@ -84,6 +101,58 @@ impl FlashVariant {
             FlashVariant::Cmma
         } else {
             FlashVariant::Plain
+        }
+    }
+
+    /// The lower-case name used by [`FLASH_VARIANT_ENV`] and `flash_check --variant`.
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashVariant::Plain => "plain",
+            FlashVariant::Cmma => "cmma",
+            FlashVariant::Mma => "mma",
+        }
+    }
+
+    /// Parses [`Self::name`]'s output.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "plain" => Some(FlashVariant::Plain),
+            "cmma" => Some(FlashVariant::Cmma),
+            "mma" => Some(FlashVariant::Mma),
+            _ => None,
+        }
+    }
+
+    /// Whether this variant can run `dtype` inputs on `client`'s device.
+    pub fn supported<R: CubeRuntime>(self, client: &ComputeClient<R>, dtype: DType) -> bool {
+        match self {
+            FlashVariant::Plain => matches!(dtype, DType::F32 | DType::F16 | DType::BF16),
+            FlashVariant::Cmma => cmma_supported(client, dtype),
+            FlashVariant::Mma => mma_supported(client, dtype),
+        }
+    }
+
+    /// The variant of the model path: [`FLASH_VARIANT_ENV`] when set, else [`Self::best`].
+    /// Read on every call (it is one environment lookup) so the training path can be switched
+    /// between runs without rebuilding.
+    ///
+    /// # Panics
+    /// If the variable names no variant, or one the device cannot run for `dtype`: silently
+    /// falling back would make a run measure something else than asked.
+    pub fn from_env<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType) -> Self {
+        match std::env::var(FLASH_VARIANT_ENV) {
+            Ok(s) => {
+                let variant = Self::parse(&s).unwrap_or_else(|| {
+                    panic!("{FLASH_VARIANT_ENV}={s:?}: expected plain, cmma or mma")
+                });
+                assert!(
+                    variant.supported(client, dtype),
+                    "{FLASH_VARIANT_ENV}={s:?}: the {} variant cannot run {dtype:?} on this device",
+                    variant.name()
+                );
+                variant
+            }
+            Err(_) => Self::best(client, dtype),
         }
     }
 }
@@ -1757,17 +1826,25 @@ fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
 }
 
 fn check_variant<R: CubeRuntime>(variant: FlashVariant, q: &CubeTensor<R>) {
-    if variant == FlashVariant::Cmma {
-        assert!(
+    match variant {
+        FlashVariant::Plain => {}
+        FlashVariant::Cmma => assert!(
             cmma_supported(&q.client, q.dtype),
             "flash attention: the Cmma variant needs bf16/f16 inputs with tensor-core support \
              (dtype {:?}); use FlashVariant::Plain",
             q.dtype
-        );
+        ),
+        FlashVariant::Mma => assert!(
+            mma_supported(&q.client, q.dtype),
+            "flash attention: the Mma variant needs bf16/f16 inputs and mma.sync m16n8k16 + \
+             ldmatrix (sm_80+) (dtype {:?}); use FlashVariant::Plain or Cmma",
+            q.dtype
+        ),
     }
 }
 
-/// Causal flash attention forward with the best variant for the device and dtype.
+/// Causal flash attention forward with the model path's variant ([`FlashVariant::from_env`]:
+/// `SMP_BURN_FLASH`, else the best for the device and dtype).
 ///
 /// Returns `(o, lse)`: `o [B, Hq, S, D]` in q's dtype and `lse [B, Hq, S]` in f32, the
 /// log-sum-exp of the scaled scores per query row, which the backward needs instead of the
@@ -1778,7 +1855,7 @@ pub fn flash_forward<R: CubeRuntime>(
     v: CubeTensor<R>,
     scale: f32,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let variant = FlashVariant::best(&q.client, q.dtype);
+    let variant = FlashVariant::from_env(&q.client, q.dtype);
     flash_forward_with(variant, q, k, v, scale)
 }
 
@@ -1871,11 +1948,24 @@ pub fn flash_forward_with<R: CubeRuntime>(
                 );
             }
         }
+        FlashVariant::Mma => flash_mma::launch_forward(
+            q,
+            k,
+            v,
+            &o,
+            &lse,
+            scale,
+            heads_q,
+            batch,
+            seq,
+            head_dim,
+            dims.group(),
+        ),
     }
     (o, lse)
 }
 
-/// Causal flash attention backward with the best variant for the device and dtype.
+/// Causal flash attention backward with the model path's variant ([`FlashVariant::from_env`]).
 ///
 /// Takes the forward's inputs, its outputs `o` and `lse`, and `d_o` (the gradient of `o`);
 /// returns `(dq, dk, dv)` in the inputs' dtype, `dk`/`dv` summed over the query heads that
@@ -1890,11 +1980,12 @@ pub fn flash_backward<R: CubeRuntime>(
     d_o: CubeTensor<R>,
     scale: f32,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
-    let variant = FlashVariant::best(&q.client, q.dtype);
+    let variant = FlashVariant::from_env(&q.client, q.dtype);
     flash_backward_with(variant, q, k, v, o, lse, d_o, scale)
 }
 
-/// [`flash_backward`] with an explicit [`FlashVariant`].
+/// [`flash_backward`] with an explicit [`FlashVariant`]. `Mma` runs the Cmma kernels for now
+/// (the backward only needs `o` and `lse`, which every forward variant produces alike).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_with<R: CubeRuntime>(
     variant: FlashVariant,
@@ -1908,6 +1999,10 @@ pub fn flash_backward_with<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let dims = check_qkv(&q, &k, &v);
     check_variant(variant, &q);
+    if variant == FlashVariant::Mma {
+        // Its backward is the Cmma one for now.
+        check_variant(FlashVariant::Cmma, &q);
+    }
     let Dims {
         batch,
         heads_q,
@@ -2043,7 +2138,7 @@ pub fn flash_backward_with<R: CubeRuntime>(
                 );
             }
         }
-        FlashVariant::Cmma => {
+        FlashVariant::Cmma | FlashVariant::Mma => {
             let nv = vector_width(&[&q, &k, &v, &d_o]);
             let dim = CubeDim::new_1d(32 * CMMA_WARPS as u32);
             let n_blocks = seq.div_ceil(16 * CMMA_WARPS) as u32;
