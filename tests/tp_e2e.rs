@@ -1,0 +1,266 @@
+//! The trainer behind `llama2_train` with tensor parallelism: checkpoints, exports, resume
+//! across layouts, sampling and the configuration errors, on CPU thread-ranks with the `tiny`
+//! model on a 200 KB slice of the embedded corpus.
+//!
+//! Tolerances: as `e2e.rs` and `fsdp_parity.rs`. Tensor parallelism regroups f32 sums (partial
+//! products added in a reduce-scatter, per-chunk loss means averaged, replicated gradients
+//! summed over chunks), so runs differ from one rank by rounding: losses within 1e-4 relative
+//! (a step changes the loss by ~1e-2), stored tensors within 1e-3 of each tensor's largest
+//! magnitude. AdamW's epsilon is 1e-3 so that rounding noise in near-zero gradients does not
+//! become full-size updates. Names, shapes, dtypes and `config.json` must be identical.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::backend::Autodiff;
+use burn_ndarray::NdArray;
+use collectives::{CommOptions, Communicator, run_on_threads};
+use llama::data::{DataSource, load_texts};
+use llama::hf;
+use llama::tokenizer::TextTokenizer;
+use llama::train::{self, Prepared, RankGroups, Summary, TrainConfig};
+use smp_burn::fsdp::AdamW;
+
+type Cpu = Autodiff<NdArray<f32>>;
+
+/// A ~200 KB slice of the corpus and a 300-token tokenizer trained on it.
+struct Fixture {
+    dir: tempfile::TempDir,
+    data: PathBuf,
+    tokenizer: PathBuf,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let corpus = load_texts(&DataSource::Embedded, "text")
+            .expect("embedded corpus")
+            .remove(0);
+        let start = corpus[1_000_000..].find('\n').expect("a newline") + 1_000_001;
+        let mut end = start + 200_000;
+        while !corpus.is_char_boundary(end) {
+            end += 1;
+        }
+        let text = &corpus[start..end];
+        let data = dir.path().join("corpus.txt");
+        std::fs::write(&data, text).expect("write corpus");
+        let tokenizer = dir.path().join("tokenizer.json");
+        TextTokenizer::train_byte_level_bpe([text], 300)
+            .expect("train tokenizer")
+            .save(&tokenizer)
+            .expect("save tokenizer");
+        Self {
+            dir,
+            data,
+            tokenizer,
+        }
+    }
+
+    /// `steps` steps of 4 x 32 tokens at a constant learning rate, tensor-parallel over `tp`
+    /// ranks, writing to `<tempdir>/<name>`.
+    fn config(&self, name: &str, steps: u64, tp: usize) -> TrainConfig {
+        let mut c = TrainConfig {
+            model: "tiny".into(),
+            vocab_size: 300,
+            seq_len: 32,
+            micro_batch: 4,
+            steps,
+            warmup_steps: 0,
+            lr: 3e-3,
+            min_lr: 3e-3,
+            adamw: AdamW {
+                eps: 1e-3,
+                ..AdamW::default()
+            },
+            data: self.data.to_string_lossy().into_owned(),
+            tokenizer: Some(self.tokenizer.clone()),
+            eval_batches: 2,
+            out_dir: self.dir.path().join(name),
+            export_hf: None,
+            sample: None,
+            progress: false,
+            ..TrainConfig::default()
+        };
+        c.parallel.tensor_parallel_degree = tp;
+        c
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+fn cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary, String> {
+    let groups =
+        RankGroups::over_host(world, &prepared.config.parallel).map_err(|e| e.to_string())?;
+    train::train_rank::<Cpu>(prepared, groups, &Default::default(), None, &|| None)
+        .map_err(|e| e.to_string())
+}
+
+/// Trains on `world` thread-ranks; rank 0's summary or the first error. Every rank must
+/// report the same losses (they are means over all ranks).
+fn try_train(config: TrainConfig, world: usize) -> Result<Summary, String> {
+    let prepared = train::prepare(config).map_err(|e| e.to_string())?;
+    let opts = CommOptions {
+        timeout: Duration::from_secs(60),
+    };
+    let mut results = run_on_threads(world, opts, |comm| cpu_rank(comm, &prepared)).into_iter();
+    let first = results.next().expect("one rank");
+    for (i, r) in results.enumerate() {
+        if let (Ok(a), Ok(b)) = (&first, &r) {
+            assert_eq!(a.losses, b.losses, "rank {} losses", i + 1);
+            assert_eq!(a.sample, b.sample, "rank {} sample", i + 1);
+        }
+    }
+    first
+}
+
+fn train(config: TrainConfig, world: usize) -> Summary {
+    try_train(config, world).unwrap_or_else(|e| panic!("training failed: {e}"))
+}
+
+fn assert_losses(got: &[f64], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: steps");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let rel = (g - w).abs() / w.abs();
+        assert!(
+            rel <= 1e-4,
+            "{what}: loss {i}: {g} vs {w} ({rel:.1e}); all {got:?} vs {want:?}"
+        );
+    }
+}
+
+/// Two checkpoint (or export) directories hold the same tensors: identical names and shapes,
+/// values within 1e-3 of each tensor's largest magnitude.
+fn assert_same_tensors(a: &Path, b: &Path) {
+    let (ta, tb) = (
+        hf::load_safetensors_dir(a).expect("load a"),
+        hf::load_safetensors_dir(b).expect("load b"),
+    );
+    assert_eq!(
+        ta.keys().collect::<Vec<_>>(),
+        tb.keys().collect::<Vec<_>>(),
+        "tensor names of {} and {}",
+        a.display(),
+        b.display()
+    );
+    for (name, x) in &ta {
+        let y = &tb[name];
+        assert_eq!(x.shape, y.shape, "shape of {name} in {}", b.display());
+        let scale = x.data.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = x
+            .data
+            .iter()
+            .zip(&y.data)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            diff <= 1e-3 * scale,
+            "{name} in {}: differs by {diff:.2e} (max |x| {scale:.2e})",
+            b.display()
+        );
+    }
+}
+
+/// A TP=2 run writes the checkpoint a 1-rank run writes (weights and both AdamW moments, full
+/// tensors under the same names and shapes, the same `config.json`) and the same Hugging Face
+/// export; its losses, validation loss and sampled text match too (sampling pads the prompt to
+/// a multiple of the degree).
+#[test]
+fn tp2_checkpoint_export_and_sample_match_one_rank() {
+    let fx = Fixture::new();
+    let with = |name: &str, tp: usize| TrainConfig {
+        export_hf: Some(fx.path(name).join("hf")),
+        export_dtype: "f32".into(),
+        sample: Some("ROMEO:".into()),
+        sample_tokens: 12,
+        ..fx.config(name, 3, tp)
+    };
+    let one = train(with("one", 1), 1);
+    let tp = train(with("tp", 2), 2);
+    assert_losses(&tp.losses, &one.losses, "tp 2");
+    let (a, b) = (one.final_val_loss.unwrap(), tp.final_val_loss.unwrap());
+    assert!((a - b).abs() <= 1e-4 * a, "validation loss {b} vs {a}");
+    assert_eq!(tp.sample, one.sample, "sampled text");
+
+    let ckpt = |name: &str| {
+        train::latest_checkpoint(&fx.path(name))
+            .unwrap()
+            .expect("a checkpoint")
+    };
+    let (c1, c2) = (ckpt("one"), ckpt("tp"));
+    for sub in ["model", "optimizer/exp_avg", "optimizer/exp_avg_sq"] {
+        assert_same_tensors(&c1.join(sub), &c2.join(sub));
+        let cfg = |c: &Path| std::fs::read(c.join(sub).join("config.json")).unwrap();
+        assert_eq!(cfg(&c1), cfg(&c2), "{sub}/config.json");
+    }
+    assert_same_tensors(&fx.path("one").join("hf"), &fx.path("tp").join("hf"));
+}
+
+/// A checkpoint written with TP=2 resumes on 4 ranks as TP=2 x FSDP 2 (each rank reads its own
+/// FSDP chunk of its own tp slice), and the run continues as an uninterrupted 1-rank run.
+#[test]
+fn tp_checkpoint_resumes_in_another_layout() {
+    let fx = Fixture::new();
+    let straight = train(fx.config("straight", 6, 1), 1);
+    let first = train(fx.config("split", 3, 2), 2);
+    assert_losses(&first.losses, &straight.losses[..3], "first 3 steps, tp 2");
+    // 2 data-parallel ranks of 2 rows each: the same 4-row global batch.
+    let resumed = train(
+        TrainConfig {
+            resume: true,
+            micro_batch: 2,
+            ..fx.config("split", 6, 2)
+        },
+        4,
+    );
+    assert_eq!(resumed.losses.len(), 3, "steps 4-6 only");
+    assert_losses(
+        &resumed.losses,
+        &straight.losses[3..],
+        "steps 4-6 resumed as tp 2 x shard 2",
+    );
+}
+
+/// Layouts tensor parallelism cannot split fail before training, naming the values.
+#[test]
+fn tp_errors_name_the_values() {
+    let fx = Fixture::new();
+    let err = |config: TrainConfig, world: usize| match try_train(config, world) {
+        Ok(s) => panic!("expected an error, got {} steps", s.steps),
+        Err(e) => e,
+    };
+    let e = err(
+        TrainConfig {
+            seq_len: 33,
+            ..fx.config("seq", 1, 2)
+        },
+        2,
+    );
+    assert!(
+        e.contains("seq_len 33") && e.contains("tensor_parallel_degree 2"),
+        "{e}"
+    );
+    // tiny: 4 query heads, 2 key/value heads, MLP width 176.
+    let e = err(
+        TrainConfig {
+            seq_len: 36,
+            ..fx.config("heads", 1, 3)
+        },
+        3,
+    );
+    assert!(
+        e.contains("num_attention_heads 4") && e.contains("tensor_parallel_degree 3"),
+        "{e}"
+    );
+    let e = err(fx.config("kv", 1, 4), 4);
+    assert!(
+        e.contains("num_key_value_heads 2") && e.contains("tensor_parallel_degree 4"),
+        "{e}"
+    );
+    let e = err(fx.config("world", 1, 2), 3);
+    assert!(
+        e.contains("tensor_parallel_degree 2") && e.contains("world size 3"),
+        "{e}"
+    );
+}
