@@ -181,6 +181,11 @@ fn rms_norm_bwd_kernel<F: Float, N: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     let blk = CUBE_POS;
+    let r0 = blk * rows_per_cube as usize;
+    // Cubes past the last block (when the grid rounds up) have no rows and no partial row.
+    if r0 >= rows as usize {
+        terminate!();
+    }
     let t = UNIT_POS as usize;
     let hv = row_vectors as usize;
     let mut scratch = SharedMemory::<f32>::new(threads);
@@ -196,7 +201,6 @@ fn rms_norm_bwd_kernel<F: Float, N: Size>(
         ws[i] = w;
         acc[i] = Vector::<f32, N>::new(f32::new(0.0));
     }
-    let r0 = blk * rows_per_cube as usize;
     let mut r1 = r0 + rows_per_cube as usize;
     if r1 > rows as usize {
         r1 = rows as usize;
