@@ -18,16 +18,22 @@
 //! kv heads) and MHA, hd 64 and 128, and a "sharp" case with q scaled by 20 so that row maxima
 //! jump between key blocks and the cmma forward's lazy-rescale path runs.
 //!
-//! The `mma` variant is labelled `mma[WxM]` with its tiling (W warps per cube, M 16-row tiles
-//! per warp; see `flash_mma::MmaTiling`) and is checked and benchmarked under every tiling
-//! unless `--mma-tiling` picks one. Before its checks, a fragment probe runs the Mma kernels'
-//! register-layout helpers on exact small-integer 16x16 products, so that a wrong layout
-//! assumption shows up as `mma fragment probe: FAIL` rather than as noise in attention errors.
-//! Its backward currently runs the cmma kernels; the lines say so.
+//! The `mma` variant is labelled `mma[WxM,BWD]` with its forward tiling (W warps per cube, M
+//! 16-row tiles per warp; see `flash::MmaTiling`) and its backward tiling BWD (`WxI-atomic` or
+//! `WxI-split`: W warps of 16 keys, inner query blocks of I, dQ by atomics in the dK/dV kernel
+//! or by a separate kernel; see `flash::MmaBwdTiling`). It runs once per forward tiling (with
+//! the default backward tiling, or the first one asked for) and once per further backward
+//! tiling (with the default forward tiling, or the first asked for), so every tiling asked for
+//! is checked and benchmarked. Before its checks, a fragment probe runs the Mma kernels'
+//! register-layout helpers on exact small-integer 16x16 products (S = QK^T, O = PV, and
+//! T = S^T V through the fused backward's transposed shared-memory path), so that a wrong
+//! layout assumption shows up as `mma fragment probe: FAIL` rather than as noise in attention
+//! errors.
 //!
 //! Flags: `--quick` (fewer shapes, S=4096 only), `--no-bench`, `--no-check`,
 //! `--variant plain|cmma|mma` (only that one), `--mma-tiling 4x1|8x1|4x2|8x2|all` (default
-//! all), `--iters N` (timed iterations, default 10).
+//! all), `--mma-bwd-tiling {4,8}x{32,64}-{atomic,split}|all` (default all), `--iters N` (timed
+//! iterations, default 10).
 //! Lines starting `RESULT|` are for machines:
 //! `RESULT|check|variant|dtype|shape|tensor|max_abs|rel|ok`,
 //! `RESULT|probe|mma|tensor|max_abs|ok` and
@@ -43,8 +49,9 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::Runtime;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use smp_burn::cuda::flash::{
-    FlashVariant, MmaTiling, cmma_supported, flash_backward_with, flash_forward_with,
-    mma_fragment_probe, mma_supported, mma_tiling, set_mma_tiling,
+    FlashVariant, MmaBwdTiling, MmaTiling, cmma_supported, flash_backward_with, flash_forward_with,
+    mma_bwd_tiling, mma_fragment_probe, mma_supported, mma_tiling, set_mma_bwd_tiling,
+    set_mma_tiling,
 };
 
 type G = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -56,8 +63,10 @@ struct Args {
     bench: bool,
     check: bool,
     variant: Option<FlashVariant>,
-    /// Mma tilings to check and bench.
+    /// Mma forward tilings to check and bench.
     tilings: Vec<MmaTiling>,
+    /// Mma backward tilings to check and bench.
+    bwd_tilings: Vec<MmaBwdTiling>,
     iters: usize,
 }
 
@@ -68,6 +77,7 @@ fn parse_args() -> Args {
         check: true,
         variant: None,
         tilings: MmaTiling::ALL.to_vec(),
+        bwd_tilings: MmaBwdTiling::ALL.to_vec(),
         iters: 10,
     };
     let mut it = std::env::args().skip(1);
@@ -94,6 +104,19 @@ fn parse_args() -> Args {
                         panic!("--mma-tiling takes 4x1, 8x1, 4x2, 8x2 or all, got {t:?}")
                     })],
                     None => panic!("--mma-tiling needs a value"),
+                }
+            }
+            "--mma-bwd-tiling" => {
+                let name = it.next();
+                a.bwd_tilings = match name.as_deref() {
+                    Some("all") => MmaBwdTiling::ALL.to_vec(),
+                    Some(t) => vec![MmaBwdTiling::parse(t).unwrap_or_else(|| {
+                        panic!(
+                            "--mma-bwd-tiling takes {{4,8}}x{{32,64}}-{{atomic,split}} (e.g. \
+                             8x64-atomic) or all, got {t:?}"
+                        )
+                    })],
+                    None => panic!("--mma-bwd-tiling needs a value"),
                 }
             }
             "--iters" => {
@@ -215,20 +238,12 @@ fn errors(a: &[f32], b: &[f32]) -> (f32, f32) {
     (diff, diff / scale.max(f32::MIN_POSITIVE))
 }
 
-/// The label of a variant in the output: `plain`, `cmma`, or `mma[WxM]` with the Mma tiling
-/// currently set.
+/// The label of a variant in the output: `plain`, `cmma`, or `mma[WxM,BWD]` with the Mma
+/// forward and backward tilings currently set.
 fn variant_name(v: FlashVariant) -> String {
     match v {
-        FlashVariant::Mma => format!("mma[{}]", mma_tiling()),
+        FlashVariant::Mma => format!("mma[{},{}]", mma_tiling(), mma_bwd_tiling()),
         other => other.name().to_string(),
-    }
-}
-
-/// Which kernels compute the gradients of a variant (the Mma backward is not written yet).
-fn bwd_kernels(v: FlashVariant) -> &'static str {
-    match v {
-        FlashVariant::Mma => "cmma",
-        other => other.name(),
     }
 }
 
@@ -250,16 +265,17 @@ fn mma_probe(dev: &CudaDevice) -> bool {
             Tensor::<G, 2>::from_data(TensorData::new(x.to_vec(), [16, 16]), dev).cast(DType::BF16),
         )
     };
-    let (s, o, pos) = mma_fragment_probe(gpu(&a), gpu(&k), gpu(&v));
-    let (s, o) = (host(wrap::<2>(s)), host(wrap::<2>(o)));
+    let (s, o, t, pos) = mma_fragment_probe(gpu(&a), gpu(&k), gpu(&v));
+    let (s, o, t) = (host(wrap::<2>(s)), host(wrap::<2>(o)), host(wrap::<2>(t)));
     let pos: Vec<u32> = Tensor::<G, 2, Int>::from_primitive(pos)
         .into_data()
         .convert::<u32>()
         .to_vec::<u32>()
         .expect("u32 data");
-    // s = a k^T, o = s v.
+    // s = a k^T, o = s v, t = s^T v.
     let mut s_ref = vec![0f32; 256];
     let mut o_ref = vec![0f32; 256];
+    let mut t_ref = vec![0f32; 256];
     for i in 0..16 {
         for j in 0..16 {
             s_ref[i * 16 + j] = (0..16).map(|c| a[i * 16 + c] * k[j * 16 + c]).sum();
@@ -268,6 +284,7 @@ fn mma_probe(dev: &CudaDevice) -> bool {
     for i in 0..16 {
         for j in 0..16 {
             o_ref[i * 16 + j] = (0..16).map(|c| s_ref[i * 16 + c] * v[c * 16 + j]).sum();
+            t_ref[i * 16 + j] = (0..16).map(|c| s_ref[c * 16 + i] * v[c * 16 + j]).sum();
         }
     }
     let mut ok = true;
@@ -289,7 +306,11 @@ fn mma_probe(dev: &CudaDevice) -> bool {
         "RESULT|probe|mma|positions|{}|{pos_ok}",
         if pos_ok { 0 } else { 1 }
     );
-    for (name, got, want) in [("S=QK^T", &s, &s_ref), ("O=PV", &o, &o_ref)] {
+    for (name, got, want) in [
+        ("S=QK^T", &s, &s_ref),
+        ("O=PV", &o, &o_ref),
+        ("T=S^TV(smem,ldmatrix.trans)", &t, &t_ref),
+    ] {
         let (abs, _) = errors(got, want);
         let good = abs == 0.0;
         ok &= good;
@@ -375,15 +396,10 @@ fn check_case(
         // dQ = dK = 0 and the relative error is noise over noise).
         let ok = rel <= tol || abs <= 1e-4;
         all_ok &= ok;
-        let label = if matches!(name, "O" | "lse") || bwd_kernels(variant) == variant.name() {
-            variant_name(variant)
-        } else {
-            format!("{}(bwd:{})", variant_name(variant), bwd_kernels(variant))
-        };
         println!(
-            "{} {:18} {:4} {:26} {:3}: max_abs {:.3e} rel {:.3e}{}",
+            "{} {:26} {:4} {:26} {:3}: max_abs {:.3e} rel {:.3e}{}",
             if ok { "ok  " } else { "FAIL" },
-            label,
+            variant_name(variant),
             dname,
             shape,
             name,
@@ -463,11 +479,11 @@ fn bench_case(dev: &CudaDevice, variant: FlashVariant, s: usize, iters: usize) {
     let bwd_flops = 2.5 * fwd_flops;
     let (ft, bt) = (fwd_flops / fwd_s / 1e12, bwd_flops / bwd_s / 1e12);
     println!(
-        "bench {:9} causal B{b} H{h} D{d} S{s:6}: fwd {:8.3} ms {:7.1} TFLOP/s | bwd ({} kernels) {:8.3} ms {:7.1} TFLOP/s",
+        "bench {:26} causal B{b} H{h} D{d} S{s:6}: fwd {:8.3} ms {:7.1} TFLOP/s | bwd ({} kernels) {:8.3} ms {:7.1} TFLOP/s",
         variant_name(variant),
         fwd_s * 1e3,
         ft,
-        bwd_kernels(variant),
+        variant.name(),
         bwd_s * 1e3,
         bt
     );
@@ -497,14 +513,43 @@ fn main() {
             .filter(|v| v.supported(&client, DType::BF16))
             .collect(),
     };
-    // (variant, Mma tiling to set first): the Mma variant once per tiling.
-    let runs: Vec<(FlashVariant, Option<MmaTiling>)> = variants
+    // (variant, Mma forward and backward tilings to set first): the Mma variant once per
+    // forward tiling with the default backward one, then once per further backward tiling with
+    // the default forward one ("default": the built-in one if asked for, else the first asked
+    // for), so that each tiling is measured without multiplying the runs.
+    let fwd_default = if args.tilings.contains(&MmaTiling::DEFAULT) {
+        MmaTiling::DEFAULT
+    } else {
+        args.tilings[0]
+    };
+    let bwd_default = if args.bwd_tilings.contains(&MmaBwdTiling::DEFAULT) {
+        MmaBwdTiling::DEFAULT
+    } else {
+        args.bwd_tilings[0]
+    };
+    let runs: Vec<(FlashVariant, Option<(MmaTiling, MmaBwdTiling)>)> = variants
         .iter()
         .flat_map(|&v| match v {
-            FlashVariant::Mma => args.tilings.iter().map(|&t| (v, Some(t))).collect(),
+            FlashVariant::Mma => args
+                .tilings
+                .iter()
+                .map(|&t| (v, Some((t, bwd_default))))
+                .chain(
+                    args.bwd_tilings
+                        .iter()
+                        .filter(|&&bt| bt != bwd_default)
+                        .map(|&bt| (v, Some((fwd_default, bt)))),
+                )
+                .collect(),
             _ => vec![(v, None)],
         })
         .collect();
+    let set_tilings = |tilings: Option<(MmaTiling, MmaBwdTiling)>| {
+        if let Some((t, bt)) = tilings {
+            set_mma_tiling(Some(t));
+            set_mma_bwd_tiling(Some(bt));
+        }
+    };
 
     let mut failures = 0usize;
     if args.check {
@@ -529,10 +574,8 @@ fn main() {
         if variants.contains(&FlashVariant::Mma) && !mma_probe(&dev) {
             failures += 1;
         }
-        for &(variant, tiling) in &runs {
-            if tiling.is_some() {
-                set_mma_tiling(tiling);
-            }
+        for &(variant, tilings) in &runs {
+            set_tilings(tilings);
             for &(b, hq, hkv, s, d, gain) in &shapes {
                 if !check_case(&dev, variant, DType::BF16, b, hq, hkv, s, d, gain) {
                     failures += 1;
@@ -556,10 +599,8 @@ fn main() {
 
     if args.bench {
         let lens: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
-        for &(variant, tiling) in &runs {
-            if tiling.is_some() {
-                set_mma_tiling(tiling);
-            }
+        for &(variant, tilings) in &runs {
+            set_tilings(tilings);
             for &s in lens {
                 // The plain kernels are ~10x slower; fewer iterations keep the run short.
                 let iters = if variant == FlashVariant::Plain {

@@ -35,8 +35,10 @@
 //!
 //! - [`FlashVariant::Mma`] ([`flash_mma`]): the products through `mma.sync` m16n8k16 with
 //!   manually managed registers, whose layout is documented, so the scores, the softmax, `P`
-//!   and `O` stay in registers (FlashAttention-2's structure). Forward only so far: its backward
-//!   runs the Cmma kernels (same `o`/`lse` contract).
+//!   and `O` stay in registers (FlashAttention-2's structure). Its backward keeps `S^T`, `dP^T`,
+//!   `P^T`, `dS^T`, dK and dV in registers too, and computes dQ either inside the dK/dV kernel
+//!   with f32 atomics (FlashAttention-2's scheme) or in a separate kernel
+//!   ([`MmaBwdTiling`]).
 //!
 //! Masking uses a finite `-1e30` and forces masked probabilities to exactly 0, so rows with no
 //! visible key yet never produce NaN; padded rows and keys (past `S`) are zero-filled in shared
@@ -56,7 +58,10 @@ use cubecl::prelude::*;
 
 #[path = "flash_mma.rs"]
 pub mod flash_mma;
-pub use flash_mma::{MmaTiling, mma_fragment_probe, mma_supported, mma_tiling, set_mma_tiling};
+pub use flash_mma::{
+    MmaBwdTiling, MmaDq, MmaTiling, mma_bwd_tiling, mma_fragment_probe, mma_supported, mma_tiling,
+    set_mma_bwd_tiling, set_mma_tiling,
+};
 
 /// Rows and keys per block in the plain kernels (one thread per (row, quarter of the columns)).
 const PLAIN_BLOCK: usize = 64;
@@ -85,8 +90,7 @@ pub enum FlashVariant {
     /// Tensor-core products (`wmma` 16x16x16, f32 accumulators); bf16 or f16 inputs only.
     Cmma,
     /// Tensor-core products through `mma.sync` m16n8k16 with register-resident scores
-    /// ([`flash_mma`]); bf16 or f16 inputs, sm_80+. The backward currently runs the Cmma
-    /// kernels.
+    /// ([`flash_mma`]), forward and backward; bf16 or f16 inputs, sm_80+.
     Mma,
 }
 
@@ -1976,6 +1980,10 @@ pub fn flash_forward_with<R: CubeRuntime>(
 /// Takes the forward's inputs, its outputs `o` and `lse`, and `d_o` (the gradient of `o`);
 /// returns `(dq, dk, dv)` in the inputs' dtype, `dk`/`dv` summed over the query heads that
 /// share a kv head. Recomputes the probabilities from `lse` instead of storing them.
+///
+/// With the Mma variant's default backward tiling, dQ is summed with f32 atomics and is not
+/// bitwise reproducible from run to run; the `*-split` tilings ([`MmaBwdTiling`],
+/// `SMP_BURN_FLASH_MMA_BWD_TILING`) and the other variants are.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -1990,8 +1998,9 @@ pub fn flash_backward<R: CubeRuntime>(
     flash_backward_with(variant, q, k, v, o, lse, d_o, scale)
 }
 
-/// [`flash_backward`] with an explicit [`FlashVariant`]. `Mma` runs the Cmma kernels for now
-/// (the backward only needs `o` and `lse`, which every forward variant produces alike).
+/// [`flash_backward`] with an explicit [`FlashVariant`]. The backward only needs `o` and `lse`,
+/// which every forward variant produces alike, so the variants can be mixed across the two
+/// calls.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_with<R: CubeRuntime>(
     variant: FlashVariant,
@@ -2005,10 +2014,6 @@ pub fn flash_backward_with<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let dims = check_qkv(&q, &k, &v);
     check_variant(variant, &q);
-    if variant == FlashVariant::Mma {
-        // Its backward is the Cmma one for now.
-        check_variant(FlashVariant::Cmma, &q);
-    }
     let Dims {
         batch,
         heads_q,
@@ -2144,7 +2149,10 @@ pub fn flash_backward_with<R: CubeRuntime>(
                 );
             }
         }
-        FlashVariant::Cmma | FlashVariant::Mma => {
+        FlashVariant::Mma => flash_mma::launch_backward(
+            q, k, v, d_o, lse, delta, &dq, &dk, &dv, scale, q_shape, heads_kv,
+        ),
+        FlashVariant::Cmma => {
             let nv = vector_width(&[&q, &k, &v, &d_o]);
             let dim = CubeDim::new_1d(32 * CMMA_WARPS as u32);
             let n_blocks = seq.div_ceil(16 * CMMA_WARPS) as u32;

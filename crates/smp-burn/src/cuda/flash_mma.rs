@@ -47,15 +47,51 @@
 //! one (rescale O and the sum by `exp(m_old - m_new)` every block); scores are masked with a
 //! finite `-1e30` only on blocks that cross the diagonal, and warps whose rows are all above a
 //! key block skip it.
+//!
+//! # Backward
+//!
+//! `delta = rowsum(dO * O)` comes from the shared kernel in `flash.rs`. Then, shaped by
+//! [`MmaBwdTiling`]:
+//!
+//! - dK/dV kernel: one cube per (key block of `16 * warps` keys, kv head, batch); warp `w` owns
+//!   16 keys, whose K and V rows stay in shared memory for the whole cube. It loops over the
+//!   query heads of the GQA group and the query blocks of `inner` rows from the causal start
+//!   (Q, dO, lse and delta staged per block). Per block and warp, everything is computed
+//!   transposed (FlashAttention-2's choice), so that no operand needs a transpose: `S^T = K Q^T`
+//!   and `dP^T = V dO^T` come out of `mma_abt_strip` with keys as rows (K and V are the A
+//!   operands, Q and dO the B operands exactly as K is in the forward); then
+//!   `P^T = exp(S^T * scale - lse)` (lse, delta per column, from shared memory; the causal
+//!   mask sets `P` to 0) and `dS^T = P^T (dP^T - delta)` are formed in the accumulator
+//!   registers; then `dV += P^T dO`
+//!   and `dK += dS^T Q` through `mma_pv_strip`, the accumulators of `P^T`/`dS^T` being A
+//!   fragments as `P` is in the forward and dO/Q being B operands through transposed loads as
+//!   V is in the forward. dK and dV (f32, `d / 2` registers each per lane at hd 128) are
+//!   written once at the end, dK times `scale`. Queries past the end get `lse = 1e30`, hence
+//!   `P = 0`.
+//! - dQ, [`MmaDq::Atomic`] (FlashAttention-2's scheme): in the same loop, each warp stores its
+//!   `dS^T` rows to shared memory as they lie (`store_acc_pairs`, keys by queries, pitch
+//!   `inner + 8`), and after a barrier the cube computes the block's `dQ += dS K` (`inner x d`)
+//!   as one tile per warp (`mma_atb_acc`: the stored `dS^T` read with transposed `ldmatrix`
+//!   is the A operand `dS`, K the B operand as V is in the forward) and adds it to an f32
+//!   `[B, Hq, S, D]` buffer with `atomicAdd`; an element-wise kernel then writes `dq = acc *
+//!   scale` in the input dtype. 5 products per block pair; dQ's f32 summation order varies
+//!   between runs.
+//! - dQ, [`MmaDq::Split`]: a separate kernel shaped like the forward (a cube per query block
+//!   of `16 * warps` rows, K/V blocks of [`MMA_KEYS`] keys prefetched into registers): `S` and
+//!   `dP = dO V^T` by `mma_abt_strip`, `dS = P (dP - delta)` in registers, `dQ += dS K` by
+//!   `mma_pv_strip` with K as the "V". 7 products per block pair; deterministic.
+//!
+//! Layout facts beyond the forward's: only the transposed `ldmatrix` of a stored accumulator
+//! tile as an A operand (`mma_atb_acc`); the probe checks it (`t = s^T v`).
 
 // Kernel code is expanded by `#[cube]`, which has no `div_ceil` on runtime integers.
 #![allow(clippy::manual_div_ceil)]
 
 use std::sync::Mutex;
 
-use burn::tensor::DType;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::MmaConfig;
 use cubecl::ir::{ElemType, FloatKind};
@@ -156,6 +192,133 @@ pub fn mma_tiling() -> MmaTiling {
 /// Overrides the Mma tiling for this process (`None`: back to the environment / default).
 pub fn set_mma_tiling(tiling: Option<MmaTiling>) {
     *TILING_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()) = tiling;
+}
+
+/// Where the Mma backward computes dQ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MmaDq {
+    /// Inside the dK/dV kernel, FlashAttention-2's scheme: each cube writes its `dS` block to
+    /// shared memory once, multiplies it by its K block and adds the partial dQ to an f32
+    /// buffer with atomics (then one element-wise pass scales and rounds it). 5 matrix
+    /// products per (key block, query block) pair instead of 7; dQ is not bitwise
+    /// reproducible (the order of the f32 additions varies between runs).
+    Atomic,
+    /// A separate kernel per query block that recomputes `S` and `dP` (the Cmma backward's
+    /// decomposition): 7 products, no atomics, deterministic.
+    Split,
+}
+
+/// Shape of the Mma backward: the dK/dV kernel has `warps` warps of 16 keys each and walks
+/// the queries in blocks of `inner`; `dq` picks the dQ scheme. The separate dQ kernel
+/// ([`MmaDq::Split`]) uses `warps` warps of 16 query rows and key blocks of [`MMA_KEYS`].
+///
+/// Why a knob: the dK/dV kernel keeps dK and dV (`d / 2` f32 each per lane at hd 128, i.e.
+/// 128 registers) plus `S^T` and `dP^T` (`inner / 2` f32 each) in registers, so `inner` trades
+/// register pressure (spills) against per-block overhead, and 4 warps fit two cubes per SM
+/// where 8 warps share one staged Q/dO block between more keys. Which wins is a measurement
+/// (`SMP_BURN_FLASH_MMA_BWD_TILING`, [`set_mma_bwd_tiling`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MmaBwdTiling {
+    /// Warps per cube: 4 or 8 (keys per cube of the dK/dV kernel: `16 * warps`).
+    pub warps: usize,
+    /// Queries per inner block of the dK/dV kernel: 32 or 64.
+    pub inner: usize,
+    /// Where dQ is computed.
+    pub dq: MmaDq,
+}
+
+impl MmaBwdTiling {
+    /// 8 warps (128 keys per cube), 64-query blocks, dQ by atomics: FlashAttention-2's shape
+    /// for hd 128 on sm_80 (a starting point; not yet measured here).
+    pub const DEFAULT: MmaBwdTiling = MmaBwdTiling {
+        warps: 8,
+        inner: 64,
+        dq: MmaDq::Atomic,
+    };
+
+    /// Every supported backward tiling, for checks and benchmarks.
+    pub const ALL: [MmaBwdTiling; 8] = [
+        MmaBwdTiling::new(8, 64, MmaDq::Atomic),
+        MmaBwdTiling::new(4, 64, MmaDq::Atomic),
+        MmaBwdTiling::new(8, 32, MmaDq::Atomic),
+        MmaBwdTiling::new(4, 32, MmaDq::Atomic),
+        MmaBwdTiling::new(8, 64, MmaDq::Split),
+        MmaBwdTiling::new(4, 64, MmaDq::Split),
+        MmaBwdTiling::new(8, 32, MmaDq::Split),
+        MmaBwdTiling::new(4, 32, MmaDq::Split),
+    ];
+
+    const fn new(warps: usize, inner: usize, dq: MmaDq) -> Self {
+        MmaBwdTiling { warps, inner, dq }
+    }
+
+    /// Keys per cube of the dK/dV kernel.
+    pub fn keys(&self) -> usize {
+        16 * self.warps
+    }
+
+    /// Parses `WARPSxINNER-atomic` or `WARPSxINNER-split`, e.g. `8x64-atomic`; `None` for
+    /// anything unsupported.
+    pub fn parse(s: &str) -> Option<MmaBwdTiling> {
+        let (shape, dq) = s.trim().split_once('-')?;
+        let (w, i) = shape.split_once('x')?;
+        let dq = match dq {
+            "atomic" => MmaDq::Atomic,
+            "split" => MmaDq::Split,
+            _ => return None,
+        };
+        let tiling = MmaBwdTiling {
+            warps: w.parse().ok()?,
+            inner: i.parse().ok()?,
+            dq,
+        };
+        Self::ALL.contains(&tiling).then_some(tiling)
+    }
+}
+
+impl std::fmt::Display for MmaBwdTiling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dq = match self.dq {
+            MmaDq::Atomic => "atomic",
+            MmaDq::Split => "split",
+        };
+        write!(f, "{}x{}-{dq}", self.warps, self.inner)
+    }
+}
+
+/// Process-wide override of the backward tiling; `None` means "from the environment".
+static BWD_TILING_OVERRIDE: Mutex<Option<MmaBwdTiling>> = Mutex::new(None);
+
+/// The tiling the Mma backward launches with: the last [`set_mma_bwd_tiling`], else
+/// `SMP_BURN_FLASH_MMA_BWD_TILING` (e.g. `8x64-atomic`, `4x32-split`; see
+/// [`MmaBwdTiling::ALL`]), else [`MmaBwdTiling::DEFAULT`].
+///
+/// # Panics
+/// If the environment variable is set to something else (as [`mma_tiling`]).
+pub fn mma_bwd_tiling() -> MmaBwdTiling {
+    if let Some(t) = *BWD_TILING_OVERRIDE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+    {
+        return t;
+    }
+    match std::env::var("SMP_BURN_FLASH_MMA_BWD_TILING") {
+        Ok(s) => MmaBwdTiling::parse(&s).unwrap_or_else(|| {
+            panic!(
+                "SMP_BURN_FLASH_MMA_BWD_TILING={s:?}: expected {{4,8}}x{{32,64}}-{{atomic,split}}, \
+                 e.g. 8x64-atomic"
+            )
+        }),
+        Err(_) => MmaBwdTiling::DEFAULT,
+    }
+}
+
+/// Overrides the Mma backward tiling for this process (`None`: back to the environment /
+/// default).
+pub fn set_mma_bwd_tiling(tiling: Option<MmaBwdTiling>) {
+    *BWD_TILING_OVERRIDE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = tiling;
 }
 
 /// Whether the device has `mma.sync` m16n8k16 with `dtype` inputs and f32 accumulators, and
@@ -341,6 +504,93 @@ fn mma_pv_strip<F: Float, N: Size>(
                 def.execute_inplace(pf, &b_lo, o.index_mut(comptime!(mt * d_tiles + 2 * dp)));
                 def.execute_inplace(pf, &b_hi, o.index_mut(comptime!(mt * d_tiles + 2 * dp + 1)));
             }
+        }
+    }
+}
+
+/// Writes one warp's `16 x 8 * n_tiles` block, held in accumulator order in `vals` (as `p` of
+/// [`mma_pv_strip`], `m_tiles = 1`), rounded to `F`, into rows `row0 ..` of a shared tile of
+/// element pairs with pitch `ld` elements: each lane stores its two adjacent columns as one
+/// 32-bit word (bank-conflict-free when `ld` is 8 modulo 16, as `inner + 8` is: the 8 rows of
+/// a store then start on banks 4 apart).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_acc_pairs<F: Float>(
+    vals: &Array<f32>,
+    dst: &mut SharedMemory<Vector<F, Const<2>>>,
+    row0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    #[comptime] n_tiles: usize,
+    #[comptime] ld: usize,
+) {
+    #[unroll]
+    for hh in 0..2usize {
+        let mut r = r_lo;
+        if hh == 1 {
+            r = r_hi;
+        }
+        let base = (row0 + r) * ld + c_lo;
+        #[unroll]
+        for nt in 0..n_tiles {
+            let idx = comptime!((nt * 2 + hh) * 2);
+            let mut pair = Vector::<F, Const<2>>::empty();
+            pair[0] = F::cast_from(vals[idx]);
+            pair[1] = F::cast_from(vals[comptime!(idx + 1)]);
+            dst[(base + 8 * nt) / 2] = pair;
+        }
+    }
+}
+
+/// `acc += X^T B` for one warp, where `X` is stored `[k][m]` (pitch `ldx`, element pairs) and
+/// the product takes its columns `m0 .. m0 + 16` (so `X^T` is the 16-row A operand), `B` is a
+/// row-major `[k][n]` tile (pitch `ldb`) read from column `b_col0` on; `k` runs over
+/// `16 * k_steps` rows of both. Fragment `nt` of `acc` receives columns `b_col0 + 8 nt ..`.
+/// `n_tiles` must be even. This is how the dK/dV kernel forms `dQ = dS K` from its `dS^T`
+/// (stored as it lies in the accumulators: keys by queries) without a transposing store.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn mma_atb_acc<F: Float, NX: Size, N: Size>(
+    x: &SharedMemory<Vector<F, NX>>,
+    m0: usize,
+    b: &SharedMemory<Vector<F, N>>,
+    b_col0: usize,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    lane: usize,
+    #[comptime] k_steps: usize,
+    #[comptime] n_tiles: usize,
+    #[comptime] ldx: usize,
+    #[comptime] nvx: usize,
+    #[comptime] ldb: usize,
+    #[comptime] nvb: usize,
+) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    // Transposed loads of X: lane l supplies k row l % 8 + 8 (l / 16), m column 8 ((l / 8) %
+    // 2): stored blocks (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15),
+    // which transposed are a0 (m 0-7, k 0-7), a1 (m 8-15, k 0-7), a2 (m 0-7, k 8-15), a3
+    // (m 8-15, k 8-15) of the A fragment.
+    let x_row = lane % 8 + (lane / 16) * 8;
+    let x_col = ((lane / 8) % 2) * 8;
+    // B as V in `mma_pv_strip`: transposed loads, lane l supplies k row l % 16, column
+    // 8 (l / 16).
+    let b_row = lane % 16;
+    let b_col = (lane / 16) * 8;
+    #[unroll]
+    for kk in 0..k_steps {
+        let af = ldsm_x4::<F, NX>(x, (16 * kk + x_row) * ldx + m0 + x_col, nvx, true);
+        #[unroll]
+        for np in 0..comptime!(n_tiles / 2) {
+            let b4 = ldsm_x4::<F, N>(
+                b,
+                (16 * kk + b_row) * ldb + b_col0 + 16 * np + b_col,
+                nvb,
+                true,
+            );
+            let b_lo = frag_pair::<F>(&b4, 0usize);
+            let b_hi = frag_pair::<F>(&b4, 2usize);
+            def.execute_inplace(&af, &b_lo, acc.index_mut(comptime!(2 * np)));
+            def.execute_inplace(&af, &b_hi, acc.index_mut(comptime!(2 * np + 1)));
         }
     }
 }
@@ -650,19 +900,710 @@ pub(super) fn launch_forward<R: CubeRuntime>(
 }
 
 // ------------------------------------------------------------------------------------------
+// Backward
+// ------------------------------------------------------------------------------------------
+
+/// dK and dV (and with `fused`, dQ through f32 atomics), manual MMA. Cube = (kv head, key
+/// block, batch) with `32 * warps` threads; warp `w` owns keys `16 w .. 16 w + 16` of the block.
+/// Loops over the query heads of the GQA group and the query blocks of `bq` rows from the
+/// causal start; see the module doc.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_bwd_dkdv_mma<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    dq_acc: &mut Tensor<Atomic<f32>>,
+    scale: f32,
+    seq_len: u32,
+    group: u32,
+    #[comptime] d: usize,
+    #[comptime] nv: usize,
+    #[comptime] warps: usize,
+    #[comptime] bq: usize,
+    #[comptime] fused: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bk = comptime!(16 * warps);
+    let nthreads = comptime!(32 * warps);
+    let ldt = comptime!(d + 8);
+    // Pitch of the dS^T tile (elements): 8 mod 16, so stores and ldmatrix rows hit distinct
+    // banks.
+    let ldd = comptime!(bq + 8);
+    let q_tiles = comptime!(bq / 8);
+    let d_tiles = comptime!(d / 8);
+    let k_steps = comptime!(d / 16);
+    // dQ tiles of the fused part: warp w computes query rows 16 (w / wpm) .. + 16, columns
+    // (w % wpm) * cw .. + cw of the block's dQ = dS K.
+    let wpm = comptime!(warps / (bq / 16));
+    let cw = comptime!(d / wpm);
+    let dss_len = comptime!(if fused { bk * (bq + 8) / 2 } else { 4 });
+
+    let seq = seq_len as usize;
+    let hk = CUBE_POS_X as usize;
+    let kb = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let grp = group as usize;
+    let t = UNIT_POS as usize;
+    let warp = t / 32;
+    let lane = UNIT_POS_PLANE as usize;
+    let k0 = kb * bk;
+    let wrow = warp * 16;
+    // This warp's first key.
+    let wk0 = k0 + wrow;
+
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
+    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
+    let r_lo = r_lo as usize;
+    let r_hi = r_hi as usize;
+    let c_lo = c_lo as usize;
+
+    let mut ks = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bk * ldt / nv), 128usize);
+    let mut vs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bk * ldt / nv), 128usize);
+    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * ldt / nv), 128usize);
+    let mut dos = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * ldt / nv), 128usize);
+    let mut dss = SharedMemory::<Vector<F, Const<2>>>::new_aligned(dss_len, 128usize);
+    let mut lse_s = SharedMemory::<f32>::new(bq);
+    let mut delta_s = SharedMemory::<f32>::new(bq);
+
+    let k_base = (b * k.stride(0) + hk * k.stride(1)) / nv;
+    let v_base = (b * v.stride(0) + hk * v.stride(1)) / nv;
+    stage_tile::<F, N>(
+        k,
+        k_base,
+        k.stride(2) / nv,
+        k0,
+        seq,
+        &mut ks,
+        bk,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    stage_tile::<F, N>(
+        v,
+        v_base,
+        v.stride(2) / nv,
+        k0,
+        seq,
+        &mut vs,
+        bk,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    let q_rs = q.stride(2) / nv;
+    let do_rs = d_o.stride(2) / nv;
+
+    let mut dk_acc = zero_frags(d_tiles);
+    let mut dv_acc = zero_frags(d_tiles);
+    let mut s_acc = zero_frags(q_tiles);
+    let mut dp_acc = zero_frags(q_tiles);
+    // P^T and dS^T of this warp's keys in accumulator order (see `mma_pv_strip`).
+    let mut p = Array::<f32>::new(comptime!(q_tiles * 4));
+    let mut ds = Array::<f32>::new(comptime!(q_tiles * 4));
+    #[unroll]
+    for i in 0..comptime!(q_tiles * 4) {
+        p[i] = f32::new(0.0);
+        ds[i] = f32::new(0.0);
+    }
+
+    let n_qb = (seq + bq - 1) / bq;
+    // Queries before k0 see none of this block's keys (bk is a multiple of bq).
+    let qb_start = k0 / bq;
+    for hh in 0..grp {
+        let h = hk * grp + hh;
+        let q_base = (b * q.stride(0) + h * q.stride(1)) / nv;
+        let do_base = (b * d_o.stride(0) + h * d_o.stride(1)) / nv;
+        let lse_base = b * lse.stride(0) + h * lse.stride(1);
+        let delta_base = b * delta.stride(0) + h * delta.stride(1);
+        for qb in qb_start..n_qb {
+            let q0 = qb * bq;
+            sync_cube();
+            stage_tile::<F, N>(q, q_base, q_rs, q0, seq, &mut qs, bq, d, ldt, nv, nthreads);
+            stage_tile::<F, N>(
+                d_o, do_base, do_rs, q0, seq, &mut dos, bq, d, ldt, nv, nthreads,
+            );
+            if t < bq {
+                let qi = q0 + t;
+                // Queries past the end get lse = 1e30, so P = exp(s - 1e30) = 0 there.
+                let mut lv = f32::new(1.0e30);
+                let mut dl = f32::new(0.0);
+                if qi < seq {
+                    lv = lse[lse_base + qi * lse.stride(2)];
+                    dl = delta[delta_base + qi * delta.stride(2)];
+                }
+                lse_s[t] = lv;
+                delta_s[t] = dl;
+            }
+            sync_cube();
+
+            // Warps whose keys all follow the block's last query see none of it
+            // (warp-uniform).
+            if wk0 < q0 + bq {
+                // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys: rows are keys,
+                // columns queries, in the accumulator layout.
+                mma_abt_strip::<F, N>(
+                    &ks, wrow, &qs, &mut s_acc, lane, 1usize, q_tiles, k_steps, ldt, nv,
+                );
+                mma_abt_strip::<F, N>(
+                    &vs,
+                    wrow,
+                    &dos,
+                    &mut dp_acc,
+                    lane,
+                    1usize,
+                    q_tiles,
+                    k_steps,
+                    ldt,
+                    nv,
+                );
+                // Only blocks where some key follows some query need the causal mask.
+                let masked = wk0 + 15 > q0;
+                let key_lo = wk0 + r_lo;
+                let key_hi = wk0 + r_hi;
+                #[unroll]
+                for nt in 0..q_tiles {
+                    let s_frag = s_acc.index(nt);
+                    let dp_frag = dp_acc.index(nt);
+                    #[unroll]
+                    for e in 0..2usize {
+                        let ql = 8 * nt + c_lo + e;
+                        let qi = q0 + ql;
+                        let lse_q = lse_s[ql];
+                        let delta_q = delta_s[ql];
+                        #[unroll]
+                        for hh2 in 0..2usize {
+                            let mut key = key_lo;
+                            if hh2 == 1 {
+                                key = key_hi;
+                            }
+                            let s_pair = s_frag[hh2];
+                            let dp_pair = dp_frag[hh2];
+                            let mut pe = (s_pair[e] * scale - lse_q).exp();
+                            if masked && key > qi {
+                                pe = f32::new(0.0);
+                            }
+                            let idx = comptime!((nt * 2 + hh2) * 2 + e);
+                            p[idx] = pe;
+                            ds[idx] = pe * (dp_pair[e] - delta_q);
+                        }
+                    }
+                }
+                // dV += P^T dO and dK += dS^T Q: the accumulators are the A operands.
+                mma_pv_strip::<F, N>(
+                    &p,
+                    &dos,
+                    &mut dv_acc,
+                    lane,
+                    1usize,
+                    q_tiles,
+                    d_tiles,
+                    ldt,
+                    nv,
+                );
+                mma_pv_strip::<F, N>(
+                    &ds,
+                    &qs,
+                    &mut dk_acc,
+                    lane,
+                    1usize,
+                    q_tiles,
+                    d_tiles,
+                    ldt,
+                    nv,
+                );
+            } else {
+                // Inactive warps contribute zero rows to the block's dS (fused dQ).
+                #[unroll]
+                for i in 0..comptime!(q_tiles * 4) {
+                    ds[i] = f32::new(0.0);
+                }
+            }
+
+            if comptime!(fused) {
+                // dS^T to shared memory as it lies (keys by queries), then dQ += dS K for the
+                // whole block, a tile per warp, added to the f32 buffer.
+                store_acc_pairs::<F>(&ds, &mut dss, wrow, r_lo, r_hi, c_lo, q_tiles, ldd);
+                sync_cube();
+                let mq = warp / wpm;
+                let c0 = (warp % wpm) * cw;
+                let mut dq_frags = zero_frags(comptime!(cw / 8));
+                mma_atb_acc::<F, Const<2>, N>(
+                    &dss,
+                    16 * mq,
+                    &ks,
+                    c0,
+                    &mut dq_frags,
+                    lane,
+                    warps,
+                    comptime!(cw / 8),
+                    ldd,
+                    2usize,
+                    ldt,
+                    nv,
+                );
+                let dq_base = b * dq_acc.stride(0) + h * dq_acc.stride(1);
+                #[unroll]
+                for hh2 in 0..2usize {
+                    let mut r = r_lo;
+                    if hh2 == 1 {
+                        r = r_hi;
+                    }
+                    let row = q0 + 16 * mq + r;
+                    if row < seq {
+                        let rb = dq_base + row * dq_acc.stride(2) + c0 + c_lo;
+                        #[unroll]
+                        for j in 0..comptime!(cw / 8) {
+                            let pair = dq_frags.index(j)[hh2];
+                            dq_acc[rb + 8 * j].fetch_add(pair[0]);
+                            dq_acc[rb + 8 * j + 1].fetch_add(pair[1]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // Each lane writes its two columns per d-tile of its two key rows.
+    let dk_base = b * dk.stride(0) + hk * dk.stride(1);
+    let dv_base = b * dv.stride(0) + hk * dv.stride(1);
+    #[unroll]
+    for hh2 in 0..2usize {
+        let mut r = r_lo;
+        if hh2 == 1 {
+            r = r_hi;
+        }
+        let key = wk0 + r;
+        if key < seq {
+            let kr = dk_base + key * dk.stride(2) + c_lo;
+            let vr = dv_base + key * dv.stride(2) + c_lo;
+            #[unroll]
+            for dt in 0..d_tiles {
+                let kp = dk_acc.index(dt)[hh2];
+                let vp = dv_acc.index(dt)[hh2];
+                dk[kr + 8 * dt] = F::cast_from(kp[0] * scale);
+                dk[kr + 8 * dt + 1] = F::cast_from(kp[1] * scale);
+                dv[vr + 8 * dt] = F::cast_from(vp[0]);
+                dv[vr + 8 * dt + 1] = F::cast_from(vp[1]);
+            }
+        }
+    }
+}
+
+/// dQ, manual MMA (the [`MmaDq::Split`] scheme). Cube = (query head, query block from the
+/// last, batch); `32 * warps` threads, warp `w` owns query rows `16 w .. 16 w + 16`. The
+/// forward's structure with `dS = P (dP - delta)` in place of the softmax: S and dP in
+/// registers, dS used as the A operand of `dS K`; the next K/V block is loaded into registers
+/// while the current one is in use.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+// `if comptime!(..) { if runtime {..} }` stays nested: the outer branch is resolved at
+// expansion, the inner one is emitted.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+fn flash_bwd_dq_mma<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dq_out: &mut Tensor<F>,
+    scale: f32,
+    seq_len: u32,
+    group: u32,
+    n_blocks: u32,
+    #[comptime] d: usize,
+    #[comptime] nv: usize,
+    #[comptime] warps: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bq = comptime!(16 * warps);
+    let bk = comptime!(MMA_KEYS);
+    let nthreads = comptime!(32 * warps);
+    let ldt = comptime!(d + 8);
+    let n_tiles = comptime!(MMA_KEYS / 8);
+    let d_tiles = comptime!(d / 8);
+    let k_steps = comptime!(d / 16);
+    let kv_regs = comptime!(MMA_KEYS * d / nv / (32 * warps));
+
+    let seq = seq_len as usize;
+    let h = CUBE_POS_X as usize;
+    let qb = n_blocks as usize - 1 - CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let hk = h / group as usize;
+    let warp = UNIT_POS as usize / 32;
+    let lane = UNIT_POS_PLANE as usize;
+    let q0 = qb * bq;
+    let wrow = warp * 16;
+    let row0 = q0 + wrow;
+
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
+    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
+    let r_lo = r_lo as usize;
+    let r_hi = r_hi as usize;
+    let c_lo = c_lo as usize;
+
+    let q_base = (b * q.stride(0) + h * q.stride(1)) / nv;
+    let do_base = (b * d_o.stride(0) + h * d_o.stride(1)) / nv;
+    let k_base = (b * k.stride(0) + hk * k.stride(1)) / nv;
+    let v_base = (b * v.stride(0) + hk * v.stride(1)) / nv;
+    let k_rs = k.stride(2) / nv;
+    let v_rs = v.stride(2) / nv;
+
+    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * ldt / nv), 128usize);
+    let mut dos = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * ldt / nv), 128usize);
+    let mut ks =
+        SharedMemory::<Vector<F, N>>::new_aligned(comptime!(MMA_KEYS * ldt / nv), 128usize);
+    let mut vs =
+        SharedMemory::<Vector<F, N>>::new_aligned(comptime!(MMA_KEYS * ldt / nv), 128usize);
+
+    stage_tile::<F, N>(
+        q,
+        q_base,
+        q.stride(2) / nv,
+        q0,
+        seq,
+        &mut qs,
+        bq,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    stage_tile::<F, N>(
+        d_o,
+        do_base,
+        d_o.stride(2) / nv,
+        q0,
+        seq,
+        &mut dos,
+        bq,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+
+    // lse and delta of this lane's two rows (rows past the end: 0 and 0, with zero Q and dO
+    // there dS = exp(0) * (0 - 0) = 0).
+    let mut lse_r = Array::<f32>::new(2usize);
+    let mut delta_r = Array::<f32>::new(2usize);
+    #[unroll]
+    for hh in 0..2usize {
+        let mut r = r_lo;
+        if hh == 1 {
+            r = r_hi;
+        }
+        let row = row0 + r;
+        let mut lv = f32::new(0.0);
+        let mut dl = f32::new(0.0);
+        if row < seq {
+            lv = lse[b * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2)];
+            dl = delta[b * delta.stride(0) + h * delta.stride(1) + row * delta.stride(2)];
+        }
+        lse_r[hh] = lv;
+        delta_r[hh] = dl;
+    }
+
+    let mut dq_acc = zero_frags(d_tiles);
+    let mut s_acc = zero_frags(n_tiles);
+    let mut dp_acc = zero_frags(n_tiles);
+    let mut ds = Array::<f32>::new(comptime!(MMA_KEYS / 2));
+
+    let mut q_end = q0 + bq;
+    if seq < q_end {
+        q_end = seq;
+    }
+    let n_kb = (q_end + bk - 1) / bk;
+
+    let mut k_regs = Array::<Vector<F, N>>::new(kv_regs);
+    let mut v_regs = Array::<Vector<F, N>>::new(kv_regs);
+    load_tile_regs::<F, N>(k, k_base, k_rs, 0, seq, &mut k_regs, bk, d, nv, nthreads);
+    load_tile_regs::<F, N>(v, v_base, v_rs, 0, seq, &mut v_regs, bk, d, nv, nthreads);
+
+    for kb in 0..n_kb {
+        let k0 = kb * bk;
+        sync_cube();
+        store_tile_regs::<F, N>(&k_regs, &mut ks, bk, d, ldt, nv, nthreads);
+        store_tile_regs::<F, N>(&v_regs, &mut vs, bk, d, ldt, nv, nthreads);
+        sync_cube();
+        if kb + 1 < n_kb {
+            load_tile_regs::<F, N>(
+                k,
+                k_base,
+                k_rs,
+                k0 + bk,
+                seq,
+                &mut k_regs,
+                bk,
+                d,
+                nv,
+                nthreads,
+            );
+            load_tile_regs::<F, N>(
+                v,
+                v_base,
+                v_rs,
+                k0 + bk,
+                seq,
+                &mut v_regs,
+                bk,
+                d,
+                nv,
+                nthreads,
+            );
+        }
+
+        // Warps whose rows all precede the block see none of its keys (warp-uniform).
+        if k0 < row0 + 16 {
+            mma_abt_strip::<F, N>(
+                &qs, wrow, &ks, &mut s_acc, lane, 1usize, n_tiles, k_steps, ldt, nv,
+            );
+            mma_abt_strip::<F, N>(
+                &dos,
+                wrow,
+                &vs,
+                &mut dp_acc,
+                lane,
+                1usize,
+                n_tiles,
+                k_steps,
+                ldt,
+                nv,
+            );
+            // Only blocks that reach past this warp's first row need the causal mask.
+            let masked = k0 + bk > row0 + 1;
+            #[unroll]
+            for hh in 0..2usize {
+                let mut r = r_lo;
+                if hh == 1 {
+                    r = r_hi;
+                }
+                let row = row0 + r;
+                let lse_v = lse_r[hh];
+                let delta_v = delta_r[hh];
+                #[unroll]
+                for nt in 0..n_tiles {
+                    let s_pair = s_acc.index(nt)[hh];
+                    let dp_pair = dp_acc.index(nt)[hh];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let mut pe = (s_pair[e] * scale - lse_v).exp();
+                        if masked {
+                            let key = k0 + 8 * nt + c_lo + e;
+                            if key > row {
+                                pe = f32::new(0.0);
+                            }
+                        }
+                        ds[comptime!((nt * 2 + hh) * 2 + e)] = pe * (dp_pair[e] - delta_v);
+                    }
+                }
+            }
+            // dQ += dS K: dS is the A operand straight from the accumulators, K (stored
+            // [key][d]) the B operand through transposed loads, as V in the forward.
+            mma_pv_strip::<F, N>(
+                &ds,
+                &ks,
+                &mut dq_acc,
+                lane,
+                1usize,
+                n_tiles,
+                d_tiles,
+                ldt,
+                nv,
+            );
+        }
+    }
+
+    let dq_base = b * dq_out.stride(0) + h * dq_out.stride(1);
+    #[unroll]
+    for hh in 0..2usize {
+        let mut r = r_lo;
+        if hh == 1 {
+            r = r_hi;
+        }
+        let row = row0 + r;
+        if row < seq {
+            let rb = dq_base + row * dq_out.stride(2) + c_lo;
+            #[unroll]
+            for dt in 0..d_tiles {
+                let pair = dq_acc.index(dt)[hh];
+                dq_out[rb + 8 * dt] = F::cast_from(pair[0] * scale);
+                dq_out[rb + 8 * dt + 1] = F::cast_from(pair[1] * scale);
+            }
+        }
+    }
+}
+
+/// `dq = dq_acc * scale` rounded to `F`, element-wise over contiguous tensors of `len`
+/// elements: the last step of the [`MmaDq::Atomic`] scheme.
+#[cube(launch_unchecked)]
+fn flash_dq_convert<F: Float>(
+    dq_acc: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    scale: f32,
+    len: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < len as usize {
+        dq[i] = F::cast_from(dq_acc[i] * scale);
+    }
+}
+
+/// Threads per cube of [`flash_dq_convert`].
+const CONVERT_THREADS: usize = 256;
+
+/// Launches the Mma backward: writes `dq`, `dk`, `dv` (allocated contiguous by the caller) from
+/// the forward's inputs, `d_o`, `lse` and `delta = rowsum(dO * O)`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn launch_backward<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    d_o: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    delta: CubeTensor<R>,
+    dq: &CubeTensor<R>,
+    dk: &CubeTensor<R>,
+    dv: &CubeTensor<R>,
+    scale: f32,
+    shape: [usize; 4],
+    heads_kv: usize,
+) {
+    let [batch, heads_q, seq, head_dim] = shape;
+    let group = heads_q / heads_kv;
+    let tiling = mma_bwd_tiling();
+    let client = q.client.clone();
+    let device = q.device.clone();
+    let dtype = q.dtype;
+    let nv = vector_width(&[&q, &k, &v, &d_o]);
+    let fused = tiling.dq == MmaDq::Atomic;
+    let n_kblocks = seq.div_ceil(tiling.keys()) as u32;
+    // The f32 dQ accumulator of the fused scheme; a 1-element placeholder otherwise (the
+    // kernel's comptime `fused` removes every access to it).
+    let dq_acc = if fused {
+        zeros_client::<R>(
+            client.clone(),
+            device.clone(),
+            Shape::new([batch, heads_q, seq, head_dim]),
+            DType::F32,
+        )
+    } else {
+        empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            device.clone(),
+            Shape::new([1usize]),
+            DType::F32,
+        )
+    };
+    let dim = CubeDim::new_1d(32 * tiling.warps as u32);
+    // SAFETY: global reads are guarded by `seq` (rows past it are zero-filled in shared
+    // memory), writes and atomics by `row < seq` / `key < seq`; shared indices stay inside the
+    // comptime-sized tiles (ldmatrix rows are 16-byte aligned: pitches of d + 8 and inner + 8
+    // elements, columns multiples of 8).
+    unsafe {
+        flash_bwd_dkdv_mma::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(heads_kv as u32, n_kblocks, batch as u32),
+            dim,
+            nv,
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            d_o.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
+            dq_acc.clone().into_tensor_arg(),
+            scale,
+            seq as u32,
+            group as u32,
+            head_dim,
+            nv,
+            tiling.warps,
+            tiling.inner,
+            fused,
+            dtype.into(),
+        );
+    }
+    if fused {
+        let len = batch * heads_q * seq * head_dim;
+        assert!(
+            len <= u32::MAX as usize,
+            "flash attention backward (Mma): dQ too large ({len} elements)"
+        );
+        // SAFETY: both tensors are contiguous with `len` elements; the kernel guards `i < len`.
+        unsafe {
+            flash_dq_convert::launch_unchecked::<R>(
+                &client,
+                CubeCount::Static(len.div_ceil(CONVERT_THREADS) as u32, 1, 1),
+                CubeDim::new_1d(CONVERT_THREADS as u32),
+                dq_acc.into_tensor_arg(),
+                dq.clone().into_tensor_arg(),
+                scale,
+                len as u32,
+                dtype.into(),
+            );
+        }
+    } else {
+        let n_qblocks = seq.div_ceil(16 * tiling.warps) as u32;
+        // SAFETY: as for the dK/dV kernel.
+        unsafe {
+            flash_bwd_dq_mma::launch_unchecked::<R>(
+                &client,
+                CubeCount::Static(heads_q as u32, n_qblocks, batch as u32),
+                dim,
+                nv,
+                q.into_tensor_arg(),
+                k.into_tensor_arg(),
+                v.into_tensor_arg(),
+                d_o.into_tensor_arg(),
+                lse.into_tensor_arg(),
+                delta.into_tensor_arg(),
+                dq.clone().into_tensor_arg(),
+                scale,
+                seq as u32,
+                group as u32,
+                n_qblocks,
+                head_dim,
+                nv,
+                tiling.warps,
+                dtype.into(),
+            );
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
 // Fragment probe
 // ------------------------------------------------------------------------------------------
 
-/// One warp runs the forward's fragment helpers on 16x16 inputs: `s = a k^T` through
+/// One warp runs the Mma kernels' fragment helpers on 16x16 inputs: `s = a k^T` through
 /// [`mma_abt_strip`] (two key n-tiles), then `o = s v` through [`mma_pv_strip`] with `s` as
-/// `P`; both written out through the accumulator layout the forward uses for O.
+/// `P`, and `t = s^T v` the way the fused backward forms `dQ = dS K` from `dS^T`: `s` stored
+/// as it lies through [`store_acc_pairs`], then [`mma_atb_acc`] (transposed `ldmatrix` of the
+/// stored tile as the A operand). All written out through the accumulator layout the kernels
+/// use for their outputs.
 #[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
 fn mma_probe_kernel<F: Float, N: Size>(
     a: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
     s_out: &mut Tensor<f32>,
     o_out: &mut Tensor<f32>,
+    t_out: &mut Tensor<f32>,
     pos_out: &mut Tensor<u32>,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -733,11 +1674,48 @@ fn mma_probe_kernel<F: Float, N: Size>(
             }
         }
     }
+
+    // t = s^T v: s (rows m, columns k of the product) stored as it lies, read back transposed.
+    let mut xs =
+        SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(16usize * 24 / 2), 128usize);
+    store_acc_pairs::<F>(
+        &p,
+        &mut xs,
+        0usize,
+        r_lo as usize,
+        r_hi as usize,
+        c_lo as usize,
+        2usize,
+        ldt,
+    );
+    sync_cube();
+    let mut t_acc = zero_frags(2usize);
+    mma_atb_acc::<F, Const<2>, N>(
+        &xs, 0usize, &vs, 0usize, &mut t_acc, lane, 1usize, 2usize, ldt, 2usize, ldt, 1usize,
+    );
+    #[unroll]
+    for dt in 0..2usize {
+        let frag = t_acc.index(dt);
+        #[unroll]
+        for hh in 0..2usize {
+            let pair = frag[hh];
+            let mut r = r_lo as usize;
+            if hh == 1 {
+                r = r_hi as usize;
+            }
+            #[unroll]
+            for e in 0..2usize {
+                t_out[r * 16 + 8 * dt + c_lo as usize + e] = pair[e];
+            }
+        }
+    }
 }
 
 /// Runs the Mma fragment helpers on 16x16 bf16/f16 matrices `a`, `k`, `v` (contiguous,
-/// `[16, 16]`) and returns `(s, o, pos)`: `s = a k^T` and `o = s v` in f32 (with `s` rounded to
-/// the input dtype first, as `P` is in the forward), and `pos [32, 3]` (u32): per lane, the row
+/// `[16, 16]`) and returns `(s, o, t, pos)`: `s = a k^T`, `o = s v` and `t = s^T v` in f32
+/// (with `s` rounded to the input dtype first, as `P` and `dS` are in the kernels; `t` goes
+/// through shared memory and transposed `ldmatrix` as the fused backward's `dQ = dS K` does),
+/// and `pos [32, 3]` (u32): per lane, the row
 /// of its accumulator elements 0/1, the row of elements 2/3, and the column of element 0, as
 /// CubeCL's `position_of_nth` reports them (expected `lane / 4`, `lane / 4 + 8`,
 /// `2 (lane % 4)`, which the row reductions rely on). With small integer inputs every value is
@@ -746,7 +1724,7 @@ pub fn mma_fragment_probe<R: CubeRuntime>(
     a: CubeTensor<R>,
     k: CubeTensor<R>,
     v: CubeTensor<R>,
-) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     for (name, t) in [("a", &a), ("k", &k), ("v", &v)] {
         let shape = t.meta.shape();
         assert!(
@@ -770,7 +1748,7 @@ pub fn mma_fragment_probe<R: CubeRuntime>(
             DType::F32,
         )
     };
-    let (s, o) = (out(), out());
+    let (s, o, t) = (out(), out(), out());
     let pos = empty_device_contiguous_dtype::<R>(
         client.clone(),
         device.clone(),
@@ -789,9 +1767,10 @@ pub fn mma_fragment_probe<R: CubeRuntime>(
             v.into_tensor_arg(),
             s.clone().into_tensor_arg(),
             o.clone().into_tensor_arg(),
+            t.clone().into_tensor_arg(),
             pos.clone().into_tensor_arg(),
             dtype.into(),
         );
     }
-    (s, o, pos)
+    (s, o, t, pos)
 }
