@@ -398,7 +398,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                     output,
                 } => (*module, input, output),
             };
-            let mut grads = (output * Tensor::from_inner(grad)).sum().backward();
+            let mut grads = smp_burn::autodiff::backward_from(output, grad);
             grad = input
                 .grad(&grads)
                 .expect("a layer's input takes part in its output");
@@ -410,7 +410,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         let embed_full = gathered(next_other.take(), &self.embed, ctx)?;
         let embed = self.embed.assemble(embed_full, true);
         let y = embed.forward(tokens);
-        let mut grads = (y * Tensor::from_inner(grad)).sum().backward();
+        let mut grads = smp_burn::autodiff::backward_from(y, grad);
         self.sum_replicated_grads(&embed, UnitKind::Embedding, &mut grads)?;
         self.embed.accumulate_grads(&embed, &grads, ctx, defer)?;
         match &self.tp {
@@ -913,5 +913,88 @@ pub fn seeded_init(seed: u64) -> impl Fn(&str, &[usize], Range<usize>) -> Result
             crate::model::init_rule(shape),
             range,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A full `[rows, cols]` parameter whose element `i` has the value `i`.
+    fn index_init(name: &str, shape: &[usize], range: Range<usize>) -> Result<Vec<f32>> {
+        assert_eq!(name, "w");
+        assert!(
+            range.end <= shape.iter().product(),
+            "{range:?} of {shape:?}"
+        );
+        Ok(range.map(|i| i as f32).collect())
+    }
+
+    /// Reading any element range of any rank's slice gives that slice's elements of the full
+    /// parameter, and joining every rank's slice gives the full parameter back, for both split
+    /// kinds, an odd degree and ranges that start and end mid-row.
+    #[test]
+    fn slices_read_and_join_exactly() {
+        let (rows, cols) = (6, 12);
+        let full: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+        for degree in [1, 2, 3] {
+            for how in [TpSplit::Rows, TpSplit::Cols] {
+                let local = match how {
+                    TpSplit::Rows => [rows / degree, cols],
+                    _ => [rows, cols / degree],
+                };
+                let n = local[0] * local[1];
+                let mut slices = Vec::new();
+                for rank in 0..degree {
+                    let t = TpSlice { degree, rank };
+                    let whole = read_slice(&index_init, "w", &local, how, t, 0..n).unwrap();
+                    // The slice is what slicing the full matrix gives.
+                    let want: Vec<f32> = (0..n)
+                        .map(|i| {
+                            let (r, c) = (i / local[1], i % local[1]);
+                            match how {
+                                TpSplit::Rows => full[(rank * local[0] + r) * cols + c],
+                                _ => full[r * cols + rank * local[1] + c],
+                            }
+                        })
+                        .collect();
+                    assert_eq!(whole, want, "{how:?} degree {degree} rank {rank}");
+                    for range in [1..n - 1, 3..3 + local[1], n / 2..n] {
+                        let part = read_slice(&index_init, "w", &local, how, t, range.clone());
+                        assert_eq!(part.unwrap(), want[range.clone()].to_vec(), "{range:?}");
+                    }
+                    slices.push(whole);
+                }
+                let refs: Vec<&[f32]> = slices.iter().map(Vec::as_slice).collect();
+                assert_eq!(join_slices(&refs, &local, how), full, "{how:?} {degree}");
+                assert_eq!(full_shape(&local, how, degree), vec![rows, cols]);
+            }
+        }
+    }
+
+    /// The split template's shapes are the full ones divided along the dimension `tp_split`
+    /// names, with a tp-th of the heads.
+    #[test]
+    fn split_template_follows_the_plan() {
+        use smp_burn::fsdp::FlatLayout;
+        type B = burn::backend::Autodiff<burn_ndarray::NdArray<f32>>;
+        let config = LlamaConfig::preset("tiny").unwrap();
+        let device = Default::default();
+        let full = FlatLayout::of::<B, _>(&layer_template::<B>(&config, 1, &device), 1);
+        let split = layer_template::<B>(&config, 2, &device);
+        assert_eq!(split.self_attn.num_heads, 2);
+        assert_eq!(split.self_attn.num_kv_heads, 1);
+        let split = FlatLayout::of::<B, _>(&split, 1);
+        for (f, s) in full.params.iter().zip(&split.params) {
+            assert_eq!(f.name, s.name);
+            let how = tp_split(UnitKind::Layer(0), &s.name);
+            assert_eq!(full_shape(&s.shape, how, 2), f.shape, "{}", s.name);
+        }
+        let split_count = split
+            .params
+            .iter()
+            .filter(|p| tp_split(UnitKind::Layer(3), &p.name) != TpSplit::Replicated)
+            .count();
+        assert_eq!(split_count, 7, "q, k, v, o, gate, up, down");
     }
 }

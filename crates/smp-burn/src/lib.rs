@@ -10,6 +10,7 @@
 //! dispatch from those ops to cuBLAS and our kernels on CUDA) and [`cuda`] (the bridge to
 //! Burn's CUDA runtime for NCCL and cuBLAS).
 
+pub mod autodiff;
 pub mod comm;
 pub mod config;
 pub mod cuda;
