@@ -680,19 +680,14 @@ fn bench(iters: usize) {
             Some(ref_fwd),
             iters,
         );
-        let gp = g.clone().into_primitive().tensor();
-        let bwd = time_ms(iters, || {
-            let _ = fused::rope_apply(gp.clone(), &cos_t, &sin_t, true);
-        });
-        bw_line(
-            "rope",
-            "bwd",
-            "contiguous",
-            2 * act + tables,
-            bwd,
-            None,
-            iters,
-        );
+        if !strided {
+            // The backward's input is the upstream gradient, contiguous in either layout.
+            let gp = g.clone().into_primitive().tensor();
+            let bwd = time_ms(iters, || {
+                let _ = fused::rope_apply(gp.clone(), &cos_t, &sin_t, true);
+            });
+            bw_line("rope", "bwd", layout, 2 * act + tables, bwd, None, iters);
+        }
         let run = || {
             let xa = Tensor::<Ad, 4>::from_inner(base.clone()).require_grad();
             let xa = if strided { xa.swap_dims(1, 2) } else { xa };
