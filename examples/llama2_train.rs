@@ -47,7 +47,7 @@ struct Cli {
     /// Override the preset's number of decoder layers.
     #[arg(long)]
     layers: Option<usize>,
-    /// Sequences per rank per micro-batch.
+    /// Sequences per data-parallel rank per micro-batch (a tensor-parallel group shares them).
     #[arg(long)]
     micro_batch: Option<usize>,
     /// Tokens per optimizer step over all ranks (gradient accumulation fills it).

@@ -37,7 +37,8 @@ pub struct TrainConfig {
     pub vocab_size: usize,
     /// Tokens per training sequence.
     pub seq_len: usize,
-    /// Sequences per rank per micro-batch.
+    /// Sequences per data-parallel rank per micro-batch (the ranks of a tensor-parallel group
+    /// share them, each taking its chunk of the sequence).
     pub micro_batch: usize,
     /// Tokens per optimizer step over all ranks; 0 = one micro-batch per rank.
     pub global_batch_tokens: usize,
@@ -436,7 +437,7 @@ pub fn train_rank<B: AutodiffBackend>(
         let n = prepared.model.num_parameters();
         tracing::info!(
             "model: {:.2}M parameters ({} layers, hidden {}), {} ranks ({} replica x {} shard x {} tensor), \
-             {accum} micro-batch(es) of {} x {} tokens per rank per step ({tokens_per_step} tokens/step); \
+             {accum} micro-batch(es) of {} x {} tokens per data-parallel rank per step ({tokens_per_step} tokens/step); \
              {} train / {} validation windows; unigram baseline {unigram:.3} nats",
             n as f64 / 1e6,
             prepared.model.num_hidden_layers,
