@@ -9,7 +9,7 @@
 //! backward with `grad` directly through a custom autodiff op whose forward is a one-element
 //! zero and whose backward hands `grad` to `output`.
 
-use std::any::{Any, TypeId};
+use std::any::TypeId;
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -21,6 +21,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use burn_ndarray::NdArray;
 
 use crate::cuda::CudaCube;
+use crate::fast::same;
 
 /// Hands the gradient kept in its state to its only parent, ignoring the seed it receives.
 #[derive(Debug)]
@@ -62,12 +63,6 @@ fn seeded<I: Backend, const D: usize>(
         OpsKind::UnTracked(prep) => prep.finish(zero),
     };
     Tensor::from_primitive(TensorPrimitive::Float(t))
-}
-
-fn same<T: 'static, U: 'static>(t: T) -> U {
-    *(Box::new(t) as Box<dyn Any>)
-        .downcast::<U>()
-        .unwrap_or_else(|_| unreachable!("TypeId checked by the caller"))
 }
 
 /// Runs the backward of the graph that produced `output` as if the loss's gradient with respect

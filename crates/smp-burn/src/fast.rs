@@ -41,10 +41,20 @@ pub struct FastPaths {
     pub swiglu: bool,
     /// `ops::linear_cross_entropy` through the chunked LM-head loss (CUDA and NdArray).
     pub loss: bool,
+    /// FSDP's AdamW step as one kernel per shard run ([`crate::cuda::adamw`]).
+    pub adamw: bool,
 }
 
 /// The path names [`FastPaths::parse`] accepts, in bit order.
-const NAMES: [&str; 6] = ["gemm", "attention", "norm", "rope", "swiglu", "loss"];
+const NAMES: [&str; 7] = [
+    "gemm",
+    "attention",
+    "norm",
+    "rope",
+    "swiglu",
+    "loss",
+    "adamw",
+];
 
 impl FastPaths {
     /// Every fast path on.
@@ -55,6 +65,7 @@ impl FastPaths {
         rope: true,
         swiglu: true,
         loss: true,
+        adamw: true,
     };
     /// Only the reference ops.
     pub const NONE: Self = Self {
@@ -64,10 +75,11 @@ impl FastPaths {
         rope: false,
         swiglu: false,
         loss: false,
+        adamw: false,
     };
 
     /// Parses `all`, `none` or a comma list of path names (`gemm`, `attention`, `norm`,
-    /// `rope`, `swiglu`, `loss`).
+    /// `rope`, `swiglu`, `loss`, `adamw`).
     pub fn parse(s: &str) -> Result<Self, String> {
         match s.trim() {
             "" | "all" => return Ok(Self::ALL),
@@ -83,6 +95,7 @@ impl FastPaths {
                 "rope" => &mut p.rope,
                 "swiglu" => &mut p.swiglu,
                 "loss" => &mut p.loss,
+                "adamw" => &mut p.adamw,
                 other => {
                     return Err(format!(
                         "unknown fast path {other:?} (known: {}; or all / none)",
@@ -95,7 +108,7 @@ impl FastPaths {
         Ok(p)
     }
 
-    fn flags(self) -> [bool; 6] {
+    fn flags(self) -> [bool; 7] {
         [
             self.gemm,
             self.attention,
@@ -103,6 +116,7 @@ impl FastPaths {
             self.rope,
             self.swiglu,
             self.loss,
+            self.adamw,
         ]
     }
 
@@ -123,6 +137,7 @@ impl FastPaths {
             rope: on(3),
             swiglu: on(4),
             loss: on(5),
+            adamw: on(6),
         }
     }
 }
@@ -153,7 +168,7 @@ pub fn set_fast_paths(p: FastPaths) {
 }
 
 /// Moves a value to another type that the caller proved identical with `TypeId`.
-fn same<T: 'static, U: 'static>(t: T) -> U {
+pub(crate) fn same<T: 'static, U: 'static>(t: T) -> U {
     *(Box::new(t) as Box<dyn Any>)
         .downcast::<U>()
         .unwrap_or_else(|_| unreachable!("TypeId checked by the caller"))
@@ -410,6 +425,50 @@ pub(crate) fn lce_autodiff<B: Backend>(
         .or_else(|| on::<B, NdArray<f32>>(x, w, targets, chunk_tokens))
 }
 
+/// FSDP's AdamW step through the fused kernel when `B` is [`CudaCube`], the path is on and
+/// every tensor is f32; `None` means "run the reference ops". Tensors: `[master, exp_avg,
+/// exp_avg_sq, grad, grad_scale]`; returns the updated `[master, exp_avg, exp_avg_sq]`.
+pub(crate) fn adamw_step<B: Backend>(
+    tensors: [&Tensor<B, 1>; 5],
+    opt: &crate::fsdp::AdamW,
+    lr: f64,
+    step: u64,
+    decay_runs: &[(std::ops::Range<usize>, bool)],
+) -> Option<[Tensor<B, 1>; 3]> {
+    if !fast_paths().adamw
+        || TypeId::of::<B>() != TypeId::of::<CudaCube>()
+        || tensors.iter().any(|t| t.dtype() != DType::F32)
+    {
+        return None;
+    }
+    let [master, exp_avg, exp_avg_sq, grad, scale] = tensors.map(|t| {
+        same::<Tensor<B, 1>, Tensor<CudaCube, 1>>(t.clone())
+            .into_primitive()
+            .tensor()
+    });
+    let (inv_bias1, inv_bias2) = (
+        1.0 / (1.0 - opt.beta1.powi(step as i32)),
+        1.0 / (1.0 - opt.beta2.powi(step as i32)),
+    );
+    let hp = crate::cuda::adamw::AdamWStep {
+        lr: lr as f32,
+        beta1: opt.beta1 as f32,
+        beta2: opt.beta2 as f32,
+        eps: opt.eps as f32,
+        inv_bias1: inv_bias1 as f32,
+        inv_bias2: inv_bias2 as f32,
+        weight_decay: opt.weight_decay as f32,
+    };
+    let (m, a, v) =
+        crate::cuda::adamw::adamw_step(master, exp_avg, exp_avg_sq, grad, scale, hp, decay_runs);
+    let wrap = |t| {
+        same(Tensor::<CudaCube, 1>::from_primitive(
+            TensorPrimitive::Float(t),
+        ))
+    };
+    Some([wrap(m), wrap(a), wrap(v)])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -419,7 +478,7 @@ mod tests {
         assert_eq!(FastPaths::parse("all").unwrap(), FastPaths::ALL);
         assert_eq!(FastPaths::parse("none").unwrap(), FastPaths::NONE);
         assert_eq!(
-            FastPaths::parse("gemm, attention,norm,rope,swiglu,loss").unwrap(),
+            FastPaths::parse("gemm, attention,norm,rope,swiglu,loss,adamw").unwrap(),
             FastPaths::ALL
         );
         let only_gemm = FastPaths::parse("gemm").unwrap();

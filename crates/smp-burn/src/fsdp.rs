@@ -464,7 +464,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         grad_scale: Tensor<B::InnerBackend, 1>,
     ) {
         let Some(grad) = self.grad.take() else { return };
-        if let Some([master, exp_avg, exp_avg_sq]) = crate::cuda::adamw::dispatch(
+        if let Some([master, exp_avg, exp_avg_sq]) = crate::fast::adamw_step(
             [
                 &self.master,
                 &self.exp_avg,
