@@ -15,7 +15,9 @@
 //! - bf16 outputs and gradients: 1e-2 (~2^-7, two bf16 ulps at the top of the range). Each path
 //!   rounds its result to bf16 once (2^-9 relative) and the reference also rounds intermediates
 //!   (silu(gate), x * cos, dy * weight) to bf16, so they may land one or two ulps apart.
-//! - bf16 sums over rows or tokens (RMSNorm dweight, loss dW): 2e-2. A 4097-term sum of
+//! - bf16 sums over rows, tokens or the vocabulary (RMSNorm dweight, loss dW and dx): 2e-2. On
+//!   an H200 the loss's dx at vocab 32003 came out 1.10e-2 from the reference (9.2e-3 from the
+//!   f32 truth, where the reference itself is 6.5e-3 off). A 4097-term sum of
 //!   bf16-rounded products, ordered differently (per-block partials; per-chunk GEMM results
 //!   rounded to bf16 before the f32 sum), drifts by a few ulps more than an elementwise result.
 //! - the loss value itself (an f32 scalar from the same bf16 logits): 1e-3 in bf16, since a
@@ -418,7 +420,9 @@ fn check_loss(quick: bool) -> bool {
                         dtype,
                         match name {
                             "loss" | "loss_plain" => 1e-3,
-                            "dW" => 2e-2,
+                            // dx = (softmax - onehot) W is a sum over the vocabulary, as long
+                            // as dW's over tokens: the same bound.
+                            "dW" | "dx" => 2e-2,
                             _ => 1e-2,
                         },
                     )

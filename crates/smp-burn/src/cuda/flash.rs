@@ -1981,9 +1981,9 @@ pub fn flash_forward_with<R: CubeRuntime>(
 /// returns `(dq, dk, dv)` in the inputs' dtype, `dk`/`dv` summed over the query heads that
 /// share a kv head. Recomputes the probabilities from `lse` instead of storing them.
 ///
-/// With the Mma variant's default backward tiling, dQ is summed with f32 atomics and is not
-/// bitwise reproducible from run to run; the `*-split` tilings ([`MmaBwdTiling`],
-/// `SMP_BURN_FLASH_MMA_BWD_TILING`) and the other variants are.
+/// Deterministic with the default tilings. The Mma variant's `*-atomic` backward tilings
+/// ([`MmaBwdTiling`], `SMP_BURN_FLASH_MMA_BWD_TILING`) sum dQ with f32 atomics and are not
+/// bitwise reproducible from run to run.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward<R: CubeRuntime>(
     q: CubeTensor<R>,
