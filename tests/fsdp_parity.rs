@@ -143,3 +143,28 @@ fn prefetch_matches_one_rank() {
         }
     }
 }
+
+/// Prefetch also leaves each unit's gradient reduce-scatter pending until the next unit's has
+/// started: with gradient accumulation (the last micro-batch reduces the deferred sum) and in
+/// hybrid mode (the replica all-reduce runs when a unit is finished), 2 and 4 ranks still
+/// match the 1-rank run.
+#[test]
+fn prefetch_with_accumulation_matches_one_rank() {
+    let reference = run(1, parallel(0, true), 2).remove(0);
+    for (world, sdp, checkpointing) in [(2, 0, false), (4, 2, true), (4, 2, false)] {
+        let config = ParallelConfig {
+            prefetch_depth: 1,
+            ..parallel(sdp, checkpointing)
+        };
+        for (rank, r) in run(world, config, 2).iter().enumerate() {
+            assert_matches(
+                &reference,
+                r,
+                &format!(
+                    "{world} ranks, sdp {sdp}, checkpointing {checkpointing}, prefetch, \
+                     2 micro-batches, rank {rank}"
+                ),
+            );
+        }
+    }
+}

@@ -290,8 +290,10 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         let ctx = &self.ctx;
 
         // With prefetch, a unit's all-gather is started before the previous unit's compute is
-        // queued and waited for only when the unit runs, so on CUDA the two overlap. The order
-        // of collectives is the same on every rank either way.
+        // queued and waited for only when the unit runs, so on CUDA the two overlap; in the
+        // backward, a unit's gradient reduce-scatter likewise runs beside the next unit's
+        // backward (see the `finish_grads` calls). The order of collectives is the same on every
+        // rank either way.
         let prefetch = ctx.prefetch;
         let n = self.layers.len();
         let mut next_layer: Option<PendingGather<B::InnerBackend>> = None;
@@ -404,6 +406,16 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                 .expect("a layer's input takes part in its output");
             self.sum_replicated_grads(&module, UnitKind::Layer(i), &mut grads)?;
             self.layers[i].accumulate_grads(&module, &grads, ctx, defer)?;
+            // With prefetch the unit after this one left its reduce-scatter pending to run
+            // beside this layer's backward; now that this layer's has started, it is finished,
+            // so that at most two units' full-size gradients are alive at once. A no-op
+            // otherwise. Every rank finishes in the same order (the hybrid all-reduce in it is
+            // a collective).
+            if i + 1 < n {
+                self.layers[i + 1].finish_grads(ctx)?;
+            } else {
+                self.head.finish_grads(ctx)?;
+            }
         }
 
         // Embedding: its gradient is a scatter of the incoming one.
@@ -413,6 +425,13 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         let mut grads = smp_burn::autodiff::backward_from(y, grad);
         self.sum_replicated_grads(&embed, UnitKind::Embedding, &mut grads)?;
         self.embed.accumulate_grads(&embed, &grads, ctx, defer)?;
+        if n > 0 {
+            self.layers[0].finish_grads(ctx)?;
+        } else {
+            self.head.finish_grads(ctx)?;
+        }
+        // Nothing is left pending past the call: the gradient is complete when it returns.
+        self.embed.finish_grads(ctx)?;
         match &self.tp {
             Some(tp) => Ok(tp.all_reduce_mean(local_loss)?),
             None => Ok(local_loss),
@@ -428,6 +447,9 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         step: u64,
         max_norm: Option<f64>,
     ) -> Result<StepStats> {
+        // `forward_backward` leaves no reduce pending; this keeps the gradients complete even
+        // for a caller that drives the units another way (a no-op otherwise).
+        self.finish_grads()?;
         let sq: Vec<_> = match &self.tp {
             None => self
                 .units_mut_iter()
@@ -464,6 +486,18 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
             }
         }
         Ok(StepStats { grad_norm, comm })
+    }
+
+    /// Finishes every unit's pending gradient reduce-scatter (see
+    /// [`ShardedUnit::finish_grads`]), in the same unit order on every rank.
+    fn finish_grads(&mut self) -> Result<()> {
+        let ctx = &self.ctx;
+        self.embed.finish_grads(ctx)?;
+        for l in &mut self.layers {
+            l.finish_grads(ctx)?;
+        }
+        self.head.finish_grads(ctx)?;
+        Ok(())
     }
 
     fn units_mut_iter(&self) -> impl Iterator<Item = UnitRef<'_, B>> {

@@ -36,6 +36,17 @@ pub trait TensorComm<B: Backend>: Send + Sync + std::fmt::Debug {
     fn all_gather_start(&self, shard: Tensor<B, 1>) -> Result<PendingGather<B>, SmpError> {
         Ok(PendingGather::ready(self.all_gather(shard)?))
     }
+    /// Starts a reduce-scatter (as [`Self::reduce_scatter`]) whose result
+    /// [`PendingGather::wait`] hands out, so that FSDP can reduce one unit's gradients while
+    /// the previous unit's backward runs. Until then the implementation may keep `full` alive.
+    /// The default reduces at once.
+    fn reduce_scatter_start(
+        &self,
+        full: Tensor<B, 1>,
+        op: ReduceOp,
+    ) -> Result<PendingCollective<B>, SmpError> {
+        Ok(PendingGather::ready(self.reduce_scatter(full, op)?))
+    }
     /// Device time the collectives queued since the last call took to run, where the
     /// implementation measures it (CUDA events around each NCCL call); `None` elsewhere. Waits
     /// for those collectives to finish.
@@ -44,12 +55,17 @@ pub trait TensorComm<B: Backend>: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// An all-gather in flight (see [`TensorComm::all_gather_start`]). Its output may be read only
-/// after [`Self::wait`]; dropping it unwaited still orders later work after it.
+/// A collective in flight: an all-gather ([`TensorComm::all_gather_start`]) or a
+/// reduce-scatter ([`TensorComm::reduce_scatter_start`]); the name predates the second use. Its
+/// output may be read only after [`Self::wait`]; dropping it unwaited still orders later work
+/// after it.
 pub struct PendingGather<B: Backend> {
     out: Option<Tensor<B, 1>>,
     finish: Option<Box<dyn FnOnce() -> Result<(), SmpError>>>,
 }
+
+/// [`PendingGather`] under a name that fits every collective started ahead of its use.
+pub type PendingCollective<B> = PendingGather<B>;
 
 impl<B: Backend> std::fmt::Debug for PendingGather<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -60,7 +76,7 @@ impl<B: Backend> std::fmt::Debug for PendingGather<B> {
 }
 
 impl<B: Backend> PendingGather<B> {
-    /// A gather that has already completed.
+    /// A collective that has already completed.
     pub fn ready(out: Tensor<B, 1>) -> Self {
         Self {
             out: Some(out),
@@ -68,7 +84,7 @@ impl<B: Backend> PendingGather<B> {
         }
     }
 
-    /// A gather whose `out` becomes readable once `finish` has run (it makes later work wait
+    /// A collective whose `out` becomes readable once `finish` has run (it makes later work wait
     /// for the collective and releases what the collective held).
     pub fn in_flight(out: Tensor<B, 1>, finish: Box<dyn FnOnce() -> Result<(), SmpError>>) -> Self {
         Self {
@@ -77,7 +93,7 @@ impl<B: Backend> PendingGather<B> {
         }
     }
 
-    /// The gathered tensor, ordered after the collective.
+    /// The collective's output, ordered after the collective.
     pub fn wait(mut self) -> Result<Tensor<B, 1>, SmpError> {
         if let Some(f) = self.finish.take() {
             f()?;
@@ -91,7 +107,7 @@ impl<B: Backend> Drop for PendingGather<B> {
         if let Some(f) = self.finish.take()
             && let Err(e) = f()
         {
-            tracing::warn!("finishing an unwaited all-gather: {e}");
+            tracing::warn!("finishing an unwaited collective: {e}");
         }
     }
 }

@@ -47,7 +47,9 @@ pub struct ParallelConfig {
     pub reshard_after_forward: bool,
     /// Units whose all-gather is started ahead of use: 0 = gather each unit when it runs; 1 =
     /// start the next unit's gather before the current unit's compute is queued, so that on
-    /// CUDA the two run side by side. Deeper prefetch is not supported.
+    /// CUDA the two run side by side. 1 also overlaps the backward's other direction: a unit's
+    /// gradient reduce-scatter runs beside the previous unit's backward (one pending at a
+    /// time). Deeper prefetch is not supported.
     pub prefetch_depth: usize,
 }
 

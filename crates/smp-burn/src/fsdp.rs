@@ -7,6 +7,8 @@
 //! only while it runs: [`ShardedUnit::gather`] all-gathers them (in the compute dtype) into a
 //! copy of the unit's module, and [`ShardedUnit::accumulate_grads`] reduce-scatters the
 //! gradients of that copy back into the shard (all-reducing across replicas in hybrid mode).
+//! With prefetch the reduce-scatter is only started there and [`ShardedUnit::finish_grads`]
+//! adds its result, so that it runs beside the backward of the unit before.
 //!
 //! One all-gather and one reduce-scatter per unit, however many tensors it has: the flat buffer
 //! is the bucketing that keeps small tensors from each paying a collective's latency.
@@ -54,7 +56,7 @@ use burn::tensor::{
 };
 use collectives::ReduceOp;
 
-use crate::comm::{PendingGather, TensorComm};
+use crate::comm::{PendingCollective, PendingGather, TensorComm};
 use crate::config::ParallelConfig;
 use crate::error::SmpError;
 
@@ -69,7 +71,10 @@ pub struct FsdpContext<IB: Backend> {
     pub param_dtype: FloatDType,
     /// Dtype gradients are reduced in.
     pub reduce_dtype: FloatDType,
-    /// Start the next unit's all-gather before the current unit runs (`prefetch_depth` 1).
+    /// Overlap collectives with compute in both directions (`prefetch_depth` 1): start the next
+    /// unit's all-gather before the current unit runs, and leave a unit's gradient
+    /// reduce-scatter pending (see [`ShardedUnit::accumulate_grads`]) while the previous unit's
+    /// backward is queued.
     pub prefetch: bool,
     stats: Arc<std::sync::Mutex<CommStats>>,
 }
@@ -245,6 +250,9 @@ pub struct ShardedUnit<B: AutodiffBackend, M: Module<B>> {
     master: Tensor<B::InnerBackend, 1>,
     grad: Option<Tensor<B::InnerBackend, 1>>,
     deferred_full_grad: Option<Tensor<B::InnerBackend, 1>>,
+    /// The reduce-scatter of the last gradients, started but not yet added to `grad` (prefetch
+    /// only). It keeps the unit's full-size gradient alive until [`Self::finish_grads`].
+    pending_grad: Option<PendingCollective<B::InnerBackend>>,
     exp_avg: Tensor<B::InnerBackend, 1>,
     exp_avg_sq: Tensor<B::InnerBackend, 1>,
 }
@@ -275,6 +283,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             master,
             grad: None,
             deferred_full_grad: None,
+            pending_grad: None,
             exp_avg: zeros.clone(),
             exp_avg_sq: zeros,
         })
@@ -361,6 +370,13 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     /// With `defer`, the full gradient is only accumulated locally (FSDP's `no_sync`, for all but
     /// the last micro-batch of an accumulation step); the next call without `defer` reduces the
     /// sum once.
+    ///
+    /// With `ctx.prefetch` the reduce-scatter is only started (on CUDA it then runs beside the
+    /// kernels queued next, the previous unit's backward) and [`Self::finish_grads`] adds the
+    /// result, so the caller must call it before the gradient is read. Because a pending
+    /// reduce-scatter keeps the full-size gradient alive, the caller should finish each unit
+    /// once the next one's reduce-scatter has started, bounding the pending ones to two. A
+    /// reduce still pending from an earlier call is finished first.
     pub fn accumulate_grads(
         &mut self,
         module: &M,
@@ -368,6 +384,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         ctx: &FsdpContext<B::InnerBackend>,
         defer: bool,
     ) -> Result<(), SmpError> {
+        self.finish_grads(ctx)?;
         struct Grads<'a, B: AutodiffBackend> {
             grads: &'a B::Gradients,
             pieces: Vec<Tensor<B::InnerBackend, 1>>,
@@ -415,11 +432,44 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             return Ok(());
         }
         let full = full.cast(ctx.reduce_dtype);
-        let mut shard = if self.degree == 1 {
-            full
-        } else {
-            ctx.timed(|| ctx.shard.reduce_scatter(full, ReduceOp::Avg))?
-        };
+        if self.degree == 1 {
+            return self.add_grad_shard(full, ctx);
+        }
+        if ctx.prefetch {
+            self.pending_grad =
+                Some(ctx.timed(|| ctx.shard.reduce_scatter_start(full, ReduceOp::Avg))?);
+            return Ok(());
+        }
+        let shard = ctx.timed(|| ctx.shard.reduce_scatter(full, ReduceOp::Avg))?;
+        self.add_grad_shard(shard, ctx)
+    }
+
+    /// Waits for the reduce-scatter [`Self::accumulate_grads`] left pending (prefetch) and adds
+    /// its result to the gradient shard, all-reducing it across replicas first in hybrid mode
+    /// (synchronously, here). Does nothing when none is pending. Every rank of the group must
+    /// finish its units in the same order, since the replica all-reduce is a collective.
+    pub fn finish_grads(&mut self, ctx: &FsdpContext<B::InnerBackend>) -> Result<(), SmpError> {
+        match self.pending_grad.take() {
+            Some(pending) => {
+                let shard = pending.wait()?;
+                self.add_grad_shard(shard, ctx)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Whether a reduce-scatter of this unit's gradients awaits [`Self::finish_grads`].
+    pub fn has_pending_grads(&self) -> bool {
+        self.pending_grad.is_some()
+    }
+
+    /// Adds a reduce-scattered gradient shard (in the reduce dtype) to `grad`, averaged over
+    /// the replicas first in hybrid mode.
+    fn add_grad_shard(
+        &mut self,
+        mut shard: Tensor<B::InnerBackend, 1>,
+        ctx: &FsdpContext<B::InnerBackend>,
+    ) -> Result<(), SmpError> {
         if let Some(rep) = &ctx.replicate {
             shard = ctx.timed(|| rep.all_reduce(shard, ReduceOp::Avg))?;
         }
@@ -431,8 +481,20 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         Ok(())
     }
 
+    /// Panics if a reduce-scatter is still pending: reading the gradient or saving state then
+    /// would silently miss the last gradients (and reorder collectives between ranks).
+    fn assert_grads_finished(&self, what: &str) {
+        assert!(
+            self.pending_grad.is_none(),
+            "unit {}: {what} called while a gradient reduce-scatter is pending; call \
+             ShardedUnit::finish_grads first",
+            self.name
+        );
+    }
+
     /// Sum of squares of this rank's gradient shard (a 1-element tensor; no host sync).
     pub fn grad_sq_sum(&self) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.assert_grads_finished("grad_sq_sum");
         self.grad.as_ref().map(|g| g.clone().square().sum())
     }
 
@@ -444,6 +506,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         &self,
         weight: &dyn Fn(&FlatParam) -> f32,
     ) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.assert_grads_finished("grad_sq_sum_weighted");
         let g = self.grad.as_ref()?;
         let device = g.device();
         let range = self.layout.shard_range(self.rank, self.degree);
@@ -463,6 +526,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         step: u64,
         grad_scale: Tensor<B::InnerBackend, 1>,
     ) {
+        self.assert_grads_finished("adamw_step");
         let Some(grad) = self.grad.take() else { return };
         if let Some([master, exp_avg, exp_avg_sq]) = crate::fast::adamw_step(
             [
@@ -551,6 +615,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
 
     /// This rank's chunk of the fp32 master weights, AdamW's first and second moments.
     pub fn shard_state(&self) -> [Tensor<B::InnerBackend, 1>; 3] {
+        self.assert_grads_finished("shard_state");
         [
             self.master.clone(),
             self.exp_avg.clone(),
@@ -587,6 +652,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         ctx: &FsdpContext<B::InnerBackend>,
         which: StateKind,
     ) -> Result<Vec<(FlatParam, Vec<f32>)>, SmpError> {
+        self.assert_grads_finished("gather_full_f32");
         let shard = match which {
             StateKind::Weights => self.master.clone(),
             StateKind::ExpAvg => self.exp_avg.clone(),
@@ -808,6 +874,71 @@ mod tests {
             numel: offset,
             padded: offset.div_ceil(degree) * degree,
         }
+    }
+
+    /// With prefetch, `accumulate_grads` leaves the reduce-scatter pending; finishing it (also
+    /// implicitly, by a second accumulation) gives exactly the gradient of the synchronous path,
+    /// and reading the gradient while one is pending panics instead of missing it.
+    #[test]
+    fn pending_reduce_scatter_matches_synchronous() {
+        use burn::backend::Autodiff;
+        use burn::module::Initializer;
+        use burn_ndarray::NdArray;
+        use collectives::{CommOptions, run_on_threads};
+
+        use crate::comm::HostTensorComm;
+        use crate::init::{InitRule, init_values};
+
+        #[derive(Module, Debug)]
+        struct Layer<B: Backend> {
+            weight: Param<Tensor<B, 2>>,
+            bias: Param<Tensor<B, 1>>,
+        }
+        type B = Autodiff<NdArray<f32>>;
+
+        let grads_with = |prefetch: bool| {
+            run_on_threads(2, CommOptions::default(), |comm| {
+                let dev = Default::default();
+                let config = ParallelConfig {
+                    prefetch_depth: usize::from(prefetch),
+                    ..Default::default()
+                };
+                let ctx = FsdpContext::<NdArray<f32>>::new(
+                    Arc::new(HostTensorComm::new(comm.clone())),
+                    None,
+                    &config,
+                );
+                let template = Layer::<B> {
+                    weight: Initializer::Zeros.init([4, 3], &dev),
+                    bias: Initializer::Zeros.init([3], &dev),
+                };
+                let mut unit = ShardedUnit::new("layer", template, &ctx, &dev, |p, range| {
+                    init_values(0, &p.name, InitRule::Normal { std: 0.1 }, range)
+                })
+                .unwrap();
+                // Two micro-batches without `defer`, with different data on each rank.
+                for micro in 0..2 {
+                    let layer = unit.gather(&ctx, true).unwrap();
+                    let x = Tensor::<B, 2>::ones([2, 4], &dev) * (1.0 + comm.rank() as f32)
+                        - micro as f32;
+                    let y = x.matmul(layer.weight.val()) + layer.bias.val().unsqueeze();
+                    let grads = y.square().mean().backward();
+                    unit.accumulate_grads(&layer, &grads, &ctx, false).unwrap();
+                    assert_eq!(unit.has_pending_grads(), prefetch);
+                }
+                if prefetch {
+                    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        unit.grad_sq_sum();
+                    }));
+                    assert!(read.is_err(), "reading a pending gradient must panic");
+                }
+                unit.finish_grads(&ctx).unwrap();
+                assert!(!unit.has_pending_grads());
+                let g = unit.grad.clone().expect("a gradient");
+                g.into_data().to_vec::<f32>().unwrap()
+            })
+        };
+        assert_eq!(grads_with(true), grads_with(false));
     }
 
     #[test]

@@ -21,6 +21,6 @@ pub mod init;
 pub mod ops;
 pub mod tp;
 
-pub use comm::{HostTensorComm, PendingGather, TensorComm};
+pub use comm::{HostTensorComm, PendingCollective, PendingGather, TensorComm};
 pub use config::{ParallelConfig, ParallelDims, Precision};
 pub use error::SmpError;

@@ -361,9 +361,6 @@ impl CudaTensorComm {
         Ok(())
     }
 
-    /// Orders `f` (which queues NCCL work on the comm stream) after Burn's queued kernels and
-    /// before Burn's next ones. The pins in `keep` are released only after the comm -> Burn
-    /// wait is queued, so CubeCL cannot reuse the memory while NCCL still uses it.
     /// The shared path of every collective: checks the device, allocates an output of
     /// `out_len` elements in the input's dtype, pins both buffers and runs `call(input pointer,
     /// output pointer, dtype, stream)` ordered with Burn's kernels. Both buffers stay pinned
@@ -383,6 +380,75 @@ impl CudaTensorComm {
         let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
         self.ordered::<B>(&device, vec![src, dst], |s| call(sp, dp, dt, s))?;
         Ok(out)
+    }
+
+    /// [`Self::collective`] started ahead of its use: `call` is queued on the comm stream after
+    /// Burn's queued kernels, then a `done` event is recorded, and only the returned handle's
+    /// wait makes Burn's later kernels wait for it (`cuCtxWaitEvent`), so the kernels queued in
+    /// between run beside the collective. Input and output stay pinned (and `input` alive) until
+    /// that wait. With [`Ordering::HostSync`] it runs at once, as [`Self::collective`].
+    fn collective_start<B: CudaTensors>(
+        &self,
+        op: &str,
+        input: Tensor<B, 1>,
+        out_len: usize,
+        call: impl FnOnce(u64, u64, DType, ds::CUstream) -> Result<(), CommError>,
+    ) -> Result<PendingGather<B>, SmpError> {
+        let ordering = *self.ordering.lock().unwrap_or_else(|p| p.into_inner());
+        if ordering != Ordering::Events {
+            return Ok(PendingGather::ready(
+                self.collective(op, input, out_len, call)?,
+            ));
+        }
+        let (out, pins) = self.prepare(op, &input, out_len)?;
+        let Some((src, dst)) = pins else {
+            return Ok(PendingGather::ready(out));
+        };
+        let done =
+            cudarc::driver::result::event::create(ds::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map(Event)
+                .map_err(|e| cuda_err("cuEventCreate", e))?;
+        let b = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
+        b.burn_to_comm()?;
+        let (sp, dp, dt) = (src.ptr, dst.ptr, src.dtype);
+        self.timed_on_comm(&b, |stream| call(sp, dp, dt, stream))?;
+        // SAFETY: a live event and the comm stream of the bridge's (current) context.
+        unsafe { cudarc::driver::result::event::record(done.0, b.stream()) }
+            .map_err(|e| cuda_err("cuEventRecord", e))?;
+        let ctx = b.ctx.clone();
+        drop(b);
+        let keep = (src, dst, input);
+        Ok(PendingGather::in_flight(
+            out,
+            Box::new(move || {
+                ctx.bind_to_thread()
+                    .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+                // SAFETY: `done` was recorded on the comm stream of this context.
+                unsafe { ds::cuCtxWaitEvent(ctx.cu_ctx(), done.0) }
+                    .result()
+                    .map_err(|e| cuda_err("cuCtxWaitEvent", e))?;
+                // Released only now that every later kernel waits for the collective.
+                drop(keep);
+                drop(done);
+                Ok(())
+            }),
+        ))
+    }
+
+    /// Elements of each rank's chunk of a reduce-scatter of `full`; an error unless `full`'s
+    /// length is divisible by the group size.
+    fn reduce_scatter_len<B: Backend>(&self, full: &Tensor<B, 1>) -> Result<usize, SmpError> {
+        let total = full.dims()[0];
+        let world = self.nccl.world_size();
+        if !total.is_multiple_of(world) {
+            return Err(CommError::SizeMismatch {
+                op: "reduce_scatter".into(),
+                group: self.nccl.group().clone(),
+                detail: format!("length {total} is not divisible by the group size {world}"),
+            }
+            .into());
+        }
+        Ok(total / world)
     }
 
     /// Checks the device and allocates a collective's output of `out_len` elements in the
@@ -426,6 +492,9 @@ impl CudaTensorComm {
         Ok(())
     }
 
+    /// Orders `f` (which queues NCCL work on the comm stream) after Burn's queued kernels and
+    /// before Burn's next ones. The pins in `keep` are released only after the comm -> Burn
+    /// wait is queued, so CubeCL cannot reuse the memory while NCCL still uses it.
     fn ordered<B: CudaTensors>(
         &self,
         device: &CudaDevice,
@@ -466,49 +535,28 @@ impl<B: CudaTensors> TensorComm<B> for CudaTensorComm {
     /// Burn's later work wait for it until [`PendingGather::wait`]: kernels queued in between
     /// run beside the collective. The buffers stay pinned until then.
     fn all_gather_start(&self, shard: Tensor<B, 1>) -> Result<PendingGather<B>, SmpError> {
-        let ordering = *self.ordering.lock().unwrap_or_else(|p| p.into_inner());
-        if ordering != Ordering::Events {
-            return Ok(PendingGather::ready(TensorComm::<B>::all_gather(
-                self, shard,
-            )?));
-        }
         let n = shard.dims()[0];
-        let (out, pins) = self.prepare("all_gather", &shard, n * self.nccl.world_size())?;
-        let Some((src, dst)) = pins else {
-            return Ok(PendingGather::ready(out));
-        };
-        let done =
-            cudarc::driver::result::event::create(ds::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map(Event)
-                .map_err(|e| cuda_err("cuEventCreate", e))?;
-        let b = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
-        b.burn_to_comm()?;
-        self.timed_on_comm(&b, |stream| {
-            // SAFETY: the buffers are pinned and hold n and n * world elements, on the
-            // communicator's device (checked by `prepare`).
-            unsafe { self.nccl.all_gather(src.ptr, dst.ptr, n, src.dtype, stream) }
-        })?;
-        // SAFETY: a live event and the comm stream of the bridge's (current) context.
-        unsafe { cudarc::driver::result::event::record(done.0, b.stream()) }
-            .map_err(|e| cuda_err("cuEventRecord", e))?;
-        let ctx = b.ctx.clone();
-        drop(b);
-        let keep = (src, dst, shard);
-        Ok(PendingGather::in_flight(
-            out,
-            Box::new(move || {
-                ctx.bind_to_thread()
-                    .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
-                // SAFETY: `done` was recorded on the comm stream of this context.
-                unsafe { ds::cuCtxWaitEvent(ctx.cu_ctx(), done.0) }
-                    .result()
-                    .map_err(|e| cuda_err("cuCtxWaitEvent", e))?;
-                // Released only now that every later kernel waits for the collective.
-                drop(keep);
-                drop(done);
-                Ok(())
-            }),
-        ))
+        let world = self.nccl.world_size();
+        self.collective_start("all_gather", shard, n * world, |sp, dp, dt, s| {
+            // SAFETY: `collective_start`'s contract; the buffers hold n and n * world elements.
+            unsafe { self.nccl.all_gather(sp, dp, n, dt, s) }
+        })
+    }
+
+    /// The reduce-scatter queued like [`Self::all_gather_start`]: FSDP's backward queues the
+    /// previous unit's kernels before waiting, so they run beside it. `full` (the unit's whole
+    /// gradient) stays pinned and alive until [`PendingGather::wait`].
+    fn reduce_scatter_start(
+        &self,
+        full: Tensor<B, 1>,
+        op: ReduceOp,
+    ) -> Result<PendingGather<B>, SmpError> {
+        let n = self.reduce_scatter_len(&full)?;
+        self.collective_start("reduce_scatter", full, n, |sp, dp, dt, s| {
+            // SAFETY: `collective_start`'s contract; `full` holds n * world elements, the
+            // output n.
+            unsafe { self.nccl.reduce_scatter(sp, dp, n, dt, op, s) }
+        })
     }
 
     fn take_device_time(&self) -> Result<Option<std::time::Duration>, SmpError> {
@@ -548,17 +596,7 @@ impl<B: CudaTensors> TensorComm<B> for CudaTensorComm {
     }
 
     fn reduce_scatter(&self, full: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, SmpError> {
-        let total = full.dims()[0];
-        let world = self.nccl.world_size();
-        if !total.is_multiple_of(world) {
-            return Err(CommError::SizeMismatch {
-                op: "reduce_scatter".into(),
-                group: self.nccl.group().clone(),
-                detail: format!("length {total} is not divisible by the group size {world}"),
-            }
-            .into());
-        }
-        let n = total / world;
+        let n = self.reduce_scatter_len(&full)?;
         self.collective("reduce_scatter", full, n, |sp, dp, dt, s| {
             // SAFETY: `collective`'s contract; `full` holds n * world elements, the output n.
             unsafe { self.nccl.reduce_scatter(sp, dp, n, dt, op, s) }
