@@ -27,7 +27,7 @@
 //! A collective that fails inside `backward()` panics with the error (Burn's backward has no
 //! error path); in the forward it is an `Err`.
 
-use std::any::{Any, TypeId};
+use std::any::TypeId;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -45,6 +45,7 @@ use collectives::ReduceOp;
 
 use crate::comm::TensorComm;
 use crate::error::SmpError;
+use crate::fast::same;
 use crate::fsdp::CommStats;
 
 /// One rank's tensor-parallel group: the communicator of the mesh's `tensor` axis (ranks that
@@ -268,18 +269,33 @@ pub fn gather_sequence_autodiff<B: Backend>(
     if tp.degree() == 1 {
         return Ok(x);
     }
+    sequence_op(GatherSequenceBackward, x, tp, gather_sequence_plain)
+}
+
+/// A sequence collective on a plain backend: [`gather_sequence_plain`] or
+/// [`reduce_scatter_sequence_plain`].
+type SequenceCollective<B> = fn(Tensor<B, 3>, &TpContext<B>) -> Result<Tensor<B, 3>, SmpError>;
+
+/// Runs `plain` on the inner tensor as one autodiff node whose backward is `op` (the conjugate
+/// collective), with the tp context as its state.
+fn sequence_op<B: Backend, O: Backward<B, 1, State = TpContext<B>>>(
+    op: O,
+    x: Tensor<Autodiff<B>, 3>,
+    tp: &TpContext<B>,
+    plain: SequenceCollective<B>,
+) -> Result<Tensor<Autodiff<B>, 3>, SmpError> {
     let x = x.into_primitive().tensor();
-    let out = match GatherSequenceBackward
+    let out = match op
         .prepare::<NoCheckpointing>([x.node.clone()])
         .compute_bound()
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let y = gather_sequence_plain(float::<B>(x.primitive), tp)?;
+            let y = plain(float::<B>(x.primitive), tp)?;
             prep.finish(tp.clone(), y.into_primitive().tensor())
         }
         OpsKind::UnTracked(prep) => {
-            let y = gather_sequence_plain(float::<B>(x.primitive), tp)?;
+            let y = plain(float::<B>(x.primitive), tp)?;
             prep.finish(y.into_primitive().tensor())
         }
     };
@@ -297,29 +313,12 @@ pub fn reduce_scatter_sequence_autodiff<B: Backend>(
     let seq = x.dims()[1];
     // Checked before the graph node is made, so the error names the sequence.
     split_len("sequence length", seq, tp.degree())?;
-    let x = x.into_primitive().tensor();
-    let out = match ReduceScatterSequenceBackward
-        .prepare::<NoCheckpointing>([x.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => {
-            let y = reduce_scatter_sequence_plain(float::<B>(x.primitive), tp)?;
-            prep.finish(tp.clone(), y.into_primitive().tensor())
-        }
-        OpsKind::UnTracked(prep) => {
-            let y = reduce_scatter_sequence_plain(float::<B>(x.primitive), tp)?;
-            prep.finish(y.into_primitive().tensor())
-        }
-    };
-    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
-}
-
-/// Moves a value to another type that the caller proved identical with `TypeId`.
-fn same<T: 'static, U: 'static>(t: T) -> U {
-    *(Box::new(t) as Box<dyn Any>)
-        .downcast::<U>()
-        .unwrap_or_else(|_| unreachable!("TypeId checked by the caller"))
+    sequence_op(
+        ReduceScatterSequenceBackward,
+        x,
+        tp,
+        reduce_scatter_sequence_plain,
+    )
 }
 
 fn autodiff_only<B: AutodiffBackend>() -> Result<(), SmpError> {
