@@ -29,6 +29,11 @@
 //! least as close to the f32 truth as the bf16 reference is (then the reference's own bf16
 //! intermediates are what differs).
 //!
+//! The RMSNorm backward and RoPE have two kernel versions (`smp_burn::cuda::fused::
+//! legacy_kernels`): both are checked and benchmarked, the legacy ones under the op names
+//! `rms_norm_legacy` and `rope_legacy`; the autodiff step timings (`STEP`) use the version-2
+//! ones unless `SMP_BURN_FUSED_LEGACY=1`.
+//!
 //! **bench**: bf16 at Llama-7B shapes (4096 tokens, hidden 4096, intermediate 11008, 32 heads x
 //! 128): each fused kernel alone (forward, backward) timed between device syncs over N
 //! iterations, its effective bandwidth (bytes the op must read and write / time; RMSNorm's
@@ -185,7 +190,23 @@ fn tol_f32_or(dtype: DType, bf16: f32) -> f32 {
     if dtype == DType::F32 { 1e-4 } else { bf16 }
 }
 
+/// The fused kernels' variants to check and time: the version-2 RMSNorm backward and RoPE
+/// (the default), then the legacy ones (`SMP_BURN_FUSED_LEGACY=1`), as `(op name suffix,
+/// legacy)`.
+const VARIANTS: [(&str, bool); 2] = [("", false), ("_legacy", true)];
+
 fn check_rms_norm(quick: bool) -> bool {
+    let mut ok = true;
+    let initial = fused::legacy_kernels();
+    for (suffix, legacy) in VARIANTS {
+        fused::set_legacy_kernels(legacy);
+        ok &= check_rms_norm_variant(quick, &format!("rms_norm{suffix}"));
+    }
+    fused::set_legacy_kernels(initial);
+    ok
+}
+
+fn check_rms_norm_variant(quick: bool, op: &str) -> bool {
     let mut ok = true;
     let rows: &[usize] = if quick { &[1, 4097] } else { &[1, 7, 4097] };
     for dtype in [DType::BF16, DType::F32] {
@@ -217,7 +238,7 @@ fn check_rms_norm(quick: bool) -> bool {
                     ]
                 };
                 ok &= compare(
-                    "rms_norm",
+                    op,
                     dtype,
                     &format!("rows{r}_h{h}"),
                     |p| p.norm = false,
@@ -282,6 +303,17 @@ fn check_swiglu(quick: bool) -> bool {
 
 fn check_rope(quick: bool) -> bool {
     let mut ok = true;
+    let initial = fused::legacy_kernels();
+    for (suffix, legacy) in VARIANTS {
+        fused::set_legacy_kernels(legacy);
+        ok &= check_rope_variant(quick, &format!("rope{suffix}"));
+    }
+    fused::set_legacy_kernels(initial);
+    ok
+}
+
+fn check_rope_variant(quick: bool, op: &str) -> bool {
+    let mut ok = true;
     // (batch, heads, seq, head_dim, the model's strided layout)
     let shapes: &[(usize, usize, usize, usize, bool)] = if quick {
         &[(2, 3, 7, 64, true), (1, 32, 4097, 128, true)]
@@ -291,6 +323,9 @@ fn check_rope(quick: bool) -> bool {
             (2, 3, 7, 64, true),
             (1, 4, 33, 6, false),
             (2, 8, 129, 128, false),
+            // Heads not a multiple of the 4 a version-2 thread rotates; grouped-query k.
+            (1, 5, 17, 32, true),
+            (2, 8, 65, 128, true),
             (1, 32, 4097, 128, true),
         ]
     };
@@ -325,7 +360,7 @@ fn check_rope(quick: bool) -> bool {
                 ]
             };
             ok &= compare(
-                "rope",
+                op,
                 dtype,
                 &format!(
                     "b{b}_h{h}_s{s}_d{d}{}",
@@ -597,18 +632,24 @@ fn bench(iters: usize) {
         iters,
     );
     let (_, inv) = fused::rms_norm_forward(xp.clone(), wp.clone(), EPS);
-    let bwd = time_ms(iters, || {
-        let _ = fused::rms_norm_backward(xp.clone(), wp.clone(), inv.clone(), dyp.clone(), true);
-    });
-    bw_line(
-        "rms_norm",
-        "bwd",
-        "-",
-        3 * act + 2 * hidden * e + tokens * 4,
-        bwd,
-        None,
-        iters,
-    );
+    let initial = fused::legacy_kernels();
+    for (suffix, legacy) in VARIANTS {
+        fused::set_legacy_kernels(legacy);
+        let bwd = time_ms(iters, || {
+            let _ =
+                fused::rms_norm_backward(xp.clone(), wp.clone(), inv.clone(), dyp.clone(), true);
+        });
+        bw_line(
+            &format!("rms_norm{suffix}"),
+            "bwd",
+            "-",
+            3 * act + 2 * hidden * e + tokens * 4,
+            bwd,
+            None,
+            iters,
+        );
+    }
+    fused::set_legacy_kernels(initial);
     let g = randn([tokens, hidden], 0.0, 1.0).cast(bf);
     let leaf = |t: &Tensor<G, 2>| Tensor::<Ad, 2>::from_inner(t.clone()).require_grad();
     let run = || {
@@ -667,31 +708,37 @@ fn bench(iters: usize) {
         let view = |t: Tensor<G, 4>| if strided { t.swap_dims(1, 2) } else { t };
         let q = view(base.clone());
         let qp = q.clone().into_primitive().tensor();
-        let fwd = time_ms(iters, || {
-            let _ = fused::rope_apply(qp.clone(), &cos_t, &sin_t, false);
-        });
+        let initial = fused::legacy_kernels();
         set_fast_paths(off(|p| p.rope = false));
         let ref_fwd = time_ms(iters, || {
             let _ = ops::rope(q.clone(), cos.clone(), sin.clone());
         });
         set_fast_paths(FastPaths::ALL);
-        bw_line(
-            "rope",
-            "fwd",
-            layout,
-            2 * act + tables,
-            fwd,
-            Some(ref_fwd),
-            iters,
-        );
-        if !strided {
-            // The backward's input is the upstream gradient, contiguous in either layout.
-            let gp = g.clone().into_primitive().tensor();
-            let bwd = time_ms(iters, || {
-                let _ = fused::rope_apply(gp.clone(), &cos_t, &sin_t, true);
+        for (suffix, legacy) in VARIANTS {
+            fused::set_legacy_kernels(legacy);
+            let op = format!("rope{suffix}");
+            let fwd = time_ms(iters, || {
+                let _ = fused::rope_apply(qp.clone(), &cos_t, &sin_t, false);
             });
-            bw_line("rope", "bwd", layout, 2 * act + tables, bwd, None, iters);
+            bw_line(
+                &op,
+                "fwd",
+                layout,
+                2 * act + tables,
+                fwd,
+                Some(ref_fwd),
+                iters,
+            );
+            if !strided {
+                // The backward's input is the upstream gradient, contiguous in either layout.
+                let gp = g.clone().into_primitive().tensor();
+                let bwd = time_ms(iters, || {
+                    let _ = fused::rope_apply(gp.clone(), &cos_t, &sin_t, true);
+                });
+                bw_line(&op, "bwd", layout, 2 * act + tables, bwd, None, iters);
+            }
         }
+        fused::set_legacy_kernels(initial);
         let run = || {
             let xa = Tensor::<Ad, 4>::from_inner(base.clone()).require_grad();
             let xa = if strided { xa.swap_dims(1, 2) } else { xa };

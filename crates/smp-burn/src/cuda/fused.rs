@@ -43,6 +43,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::CudaCube;
 use super::gemm::CudaAutodiff;
@@ -65,6 +66,47 @@ const NORM_BWD_CUBES: usize = 512;
 /// Partial-sum rows each column is split over in the column-sum kernel; a cube covers 32
 /// columns, so it has `32 * COLSUM_GROUPS` = 256 threads.
 const COLSUM_GROUPS: usize = 8;
+/// Most threads per cube of the version-2 RMSNorm backward while every thread keeps at most
+/// eight vectors of a row: 512 threads of one 16-byte vector cover a bf16 row of 4096, and two
+/// such cubes fit an SM's registers, so the grid is sized for two cubes per SM.
+const NORM_BWD_V2_THREADS: usize = 512;
+/// Column vectors per cube of the version-2 column sum: 8 x 16 bytes, one 128-byte line per row.
+const COLSUM_V2_LANES: usize = 8;
+/// Row groups per cube of the version-2 column sum (`8 * 32` = 256 threads): 32 independent
+/// 16-byte loads per column line in flight.
+const COLSUM_V2_GROUPS: usize = 32;
+/// Heads each thread of the version-2 RoPE kernel rotates with one read of the tables.
+const ROPE_HEADS_PER_THREAD: usize = 4;
+/// SMs assumed when the runtime does not report them (an H100/H200 has 132).
+const DEFAULT_SMS: usize = 132;
+
+/// `LEGACY` before the environment has been read.
+const LEGACY_UNSET: u8 = 2;
+/// Whether the legacy kernels run: 0 no, 1 yes, [`LEGACY_UNSET`] not decided yet.
+static LEGACY: AtomicU8 = AtomicU8::new(LEGACY_UNSET);
+
+/// Whether the RMSNorm backward and RoPE (forward and backward) run their legacy kernels
+/// (`rms_norm_bwd_kernel` with `column_sum_kernel`, `rope_kernel`) instead of the version-2 ones
+/// (the default). Decided once, from `SMP_BURN_FUSED_LEGACY=1`, unless
+/// [`set_legacy_kernels`] was called first. Kept so that both can be compared (fused_check
+/// checks and benchmarks both) until the version-2 kernels have been measured.
+pub fn legacy_kernels() -> bool {
+    match LEGACY.load(Ordering::Relaxed) {
+        0 => false,
+        1 => true,
+        _ => {
+            let on = std::env::var("SMP_BURN_FUSED_LEGACY").is_ok_and(|v| v.trim() == "1");
+            LEGACY.store(u8::from(on), Ordering::Relaxed);
+            on
+        }
+    }
+}
+
+/// Overrides [`legacy_kernels`] (and the environment) for the rest of the process, for A/B
+/// runs in one process.
+pub fn set_legacy_kernels(on: bool) {
+    LEGACY.store(u8::from(on), Ordering::Relaxed);
+}
 
 // ------------------------------------------------------------------------------------------
 // Device side
@@ -409,6 +451,329 @@ fn rope_kernel<F: Float, N: Size>(
     }
 }
 
+// --- Version 2 of the RMSNorm backward and of RoPE (the default; see `legacy_kernels`) -----
+
+/// As [`cube_sum`], with one barrier instead of two: `scratch` holds two halves of `threads`
+/// slots and consecutive calls alternate between them (`half` = 0, 1, 0, ...). A half is written
+/// again only two calls later, after every unit has passed the barrier of the call in between,
+/// which each unit reaches only after it has read the half: no second barrier is needed.
+#[cube]
+fn cube_sum_alternating(
+    value: f32,
+    scratch: &mut SharedMemory<f32>,
+    half: usize,
+    #[comptime] threads: usize,
+) -> f32 {
+    let plane_total = plane_sum(value);
+    let base = half * threads;
+    if UNIT_POS_PLANE == 0 {
+        scratch[base + PLANE_POS as usize] = plane_total;
+    }
+    sync_cube();
+    let planes = (CUBE_DIM + PLANE_DIM - 1) / PLANE_DIM;
+    let mut total = f32::new(0.0);
+    for i in 0..planes as usize {
+        total += scratch[base + i];
+    }
+    total
+}
+
+/// RMSNorm backward, version 2: the formulas of [`rms_norm_bwd_kernel`], with the row loop
+/// software-pipelined. Why: the legacy kernel loads a row, reduces it (two barriers) and stores
+/// it before it issues the next row's loads, so each cube has loads in flight only part of the
+/// time (1.35 TB/s on an H200). Here a thread issues the loads of row `i + 1` (`x`, `dy`,
+/// `inv_rms`, raw in registers) right after it has converted row `i`, so they are in flight
+/// while row `i` is reduced (one barrier, [`cube_sum_alternating`]) and stored. The loads come
+/// before the stores in program order, so the compiler needs no aliasing proof to overlap them.
+/// Cube = a block of `rows_per_cube` rows, thread `t` owns vectors `t, t + threads, ...` of each
+/// row; the host sizes the grid to about one wave, so the block's partial `dweight` row (f32)
+/// is short.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    weight: &Tensor<Vector<F, N>>,
+    dy: &Tensor<Vector<F, N>>,
+    inv_rms: &Tensor<f32>,
+    dx: &mut Tensor<Vector<F, N>>,
+    partial: &mut Tensor<f32>,
+    rows: u32,
+    row_vectors: u32,
+    hidden: f32,
+    rows_per_cube: u32,
+    #[comptime] nv: usize,
+    #[comptime] vpt: usize,
+    #[comptime] threads: usize,
+    #[comptime] want_dw: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let blk = CUBE_POS;
+    let r0 = blk * rows_per_cube as usize;
+    // Cubes past the last block (when the grid rounds up) have no rows and no partial row.
+    if r0 >= rows as usize {
+        terminate!();
+    }
+    let mut r1 = r0 + rows_per_cube as usize;
+    if r1 > rows as usize {
+        r1 = rows as usize;
+    }
+    let t = UNIT_POS as usize;
+    let hv = row_vectors as usize;
+    let mut scratch = SharedMemory::<f32>::new(comptime!(2 * threads));
+    let mut ws = Array::<Vector<f32, N>>::new(vpt);
+    let mut acc = Array::<Vector<f32, N>>::new(vpt);
+    // Raw (input dtype) vectors of the next row, loaded one iteration ahead.
+    let mut xn = Array::<Vector<F, N>>::new(vpt);
+    let mut gn = Array::<Vector<F, N>>::new(vpt);
+    #[unroll]
+    for i in 0..vpt {
+        let c = i * threads + t;
+        let mut w = Vector::<f32, N>::new(f32::new(0.0));
+        if c < hv {
+            w = Vector::<f32, N>::cast_from(weight[c]);
+            xn[i] = x[r0 * hv + c];
+            gn[i] = dy[r0 * hv + c];
+        }
+        ws[i] = w;
+        acc[i] = Vector::<f32, N>::new(f32::new(0.0));
+    }
+    let mut rn = inv_rms[r0];
+    let mut xs = Array::<Vector<f32, N>>::new(vpt);
+    let mut gs = Array::<Vector<f32, N>>::new(vpt);
+    let mut dns = Array::<Vector<f32, N>>::new(vpt);
+    for row in r0..r1 {
+        let base = row * hv;
+        let r = rn;
+        let rv = Vector::<f32, N>::new(r);
+        // Row `row` to f32 (vectors past the row end are zero and never stored).
+        #[unroll]
+        for i in 0..vpt {
+            let c = i * threads + t;
+            let mut xv = Vector::<f32, N>::new(f32::new(0.0));
+            let mut g = Vector::<f32, N>::new(f32::new(0.0));
+            if c < hv {
+                xv = Vector::<f32, N>::cast_from(xn[i]);
+                g = Vector::<f32, N>::cast_from(gn[i]);
+            }
+            xs[i] = xv;
+            gs[i] = g;
+        }
+        // Issue the next row's loads now; they complete while this row is reduced and stored.
+        let next = row + 1;
+        if next < r1 {
+            let nb = next * hv;
+            #[unroll]
+            for i in 0..vpt {
+                let c = i * threads + t;
+                if c < hv {
+                    xn[i] = x[nb + c];
+                    gn[i] = dy[nb + c];
+                }
+            }
+            rn = inv_rms[next];
+        }
+        let mut dot = f32::new(0.0);
+        #[unroll]
+        for i in 0..vpt {
+            let xv = xs[i];
+            let g = gs[i];
+            if comptime!(want_dw) {
+                // The weight multiplied the normalized row as rounded in the forward.
+                let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
+                acc[i] += g * n;
+            }
+            let dn = g * ws[i];
+            dns[i] = dn;
+            dot += lane_sum::<N>(dn * xv, nv);
+        }
+        let total = cube_sum_alternating(dot, &mut scratch, row % 2, threads);
+        let coef = Vector::<f32, N>::new(r * r * r * total / hidden);
+        #[unroll]
+        for i in 0..vpt {
+            let c = i * threads + t;
+            if c < hv {
+                dx[base + c] = Vector::<F, N>::cast_from(dns[i] * rv - xs[i] * coef);
+            }
+        }
+    }
+    if comptime!(want_dw) {
+        #[unroll]
+        for i in 0..vpt {
+            let c = i * threads + t;
+            if c < hv {
+                let out = (blk * hv + c) * nv;
+                let a = acc[i];
+                #[unroll]
+                for k in 0..nv {
+                    partial[out + k] = a[k];
+                }
+            }
+        }
+    }
+}
+
+/// `out[c] = sum_b partial[b, c]` in a fixed order, version 2: reads `partial` in vectors of
+/// `mv` f32 (`col_vectors = cols / mv`). Cube = `lanes` consecutive column vectors x `groups`
+/// row groups (thread `t`: vector `t % lanes`, group `t / lanes`); group `g` adds rows
+/// `g, g + groups, ...` four at a time, then group 0 adds the groups' sums in order. Why: more
+/// and wider loads in flight than [`column_sum_kernel`] (32 groups of 16-byte loads), so the
+/// partial sums cost about one memory latency, not one per four rows.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn column_sum_v2_kernel<F: Float, M: Size>(
+    partial: &Tensor<Vector<f32, M>>,
+    out: &mut Tensor<F>,
+    blocks: u32,
+    col_vectors: u32,
+    #[comptime] mv: usize,
+    #[comptime] lanes: usize,
+    #[comptime] groups: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let t = UNIT_POS as usize;
+    let lane = t % lanes;
+    let g = t / lanes;
+    let c = CUBE_POS * lanes + lane;
+    let nb = blocks as usize;
+    let nc = col_vectors as usize;
+    let mut sums = SharedMemory::<f32>::new(comptime!(lanes * groups * mv));
+    let mut acc = Vector::<f32, M>::new(f32::new(0.0));
+    if c < nc {
+        // Rows g + k * groups for k < steps.
+        let steps = (nb + groups - 1 - g) / groups;
+        let quads = steps / 4;
+        let mut a0 = Vector::<f32, M>::new(f32::new(0.0));
+        let mut a1 = Vector::<f32, M>::new(f32::new(0.0));
+        let mut a2 = Vector::<f32, M>::new(f32::new(0.0));
+        let mut a3 = Vector::<f32, M>::new(f32::new(0.0));
+        for q in 0..quads {
+            let b = g + 4 * q * groups;
+            a0 += partial[b * nc + c];
+            a1 += partial[(b + groups) * nc + c];
+            a2 += partial[(b + 2 * groups) * nc + c];
+            a3 += partial[(b + 3 * groups) * nc + c];
+        }
+        for k in quads * 4..steps {
+            a0 += partial[(g + k * groups) * nc + c];
+        }
+        acc = (a0 + a1) + (a2 + a3);
+    }
+    let slot = (g * lanes + lane) * mv;
+    #[unroll]
+    for l in 0..mv {
+        sums[slot + l] = acc[l];
+    }
+    sync_cube();
+    if g == 0 && c < nc {
+        #[unroll]
+        for l in 0..mv {
+            let mut total = f32::new(0.0);
+            #[unroll]
+            for i in 0..groups {
+                total += sums[(i * lanes + lane) * mv + l];
+            }
+            out[c * mv + l] = F::cast_from(total);
+        }
+    }
+}
+
+/// Rotary embedding, version 2: the formulas and layouts of [`rope_kernel`] (`x` any strides
+/// with a unit last stride, read in vectors of `nv`; `out` contiguous `[batch, heads, seq, d]`),
+/// with two changes. Why: the legacy kernel reads the four table chunks as `4 * nv` scalar loads
+/// per thread (32 for bf16) for one head, so its loads are mostly table traffic (1.2-1.4 TB/s on
+/// an H200). Here the tables are read in vectors of `mv` f32 (16 bytes), once per thread, and
+/// reused for `hpt` heads at the same position (all heads share a position's angles). And all of
+/// a thread's `x` loads are issued before any store, so they are in flight together.
+/// Thread = vector `j` of pairs, position `(b, s)`, heads `hg * hpt ..` (clamped to `heads`);
+/// `total = batch * seq * head_groups * half_vectors`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rope_v2_kernel<F: Float, N: Size, M: Size>(
+    x: &Tensor<Vector<F, N>>,
+    cos: &Tensor<Vector<f32, M>>,
+    sin: &Tensor<Vector<f32, M>>,
+    out: &mut Tensor<Vector<F, N>>,
+    total: u32,
+    heads: u32,
+    seq: u32,
+    half_vectors: u32,
+    head_groups: u32,
+    #[comptime] nv: usize,
+    #[comptime] mv: usize,
+    #[comptime] hpt: usize,
+    #[comptime] backward: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= total as usize {
+        terminate!();
+    }
+    let hv = half_vectors as usize;
+    let j = pos % hv;
+    let rest = pos / hv;
+    let hg = rest % head_groups as usize;
+    let bs = rest / head_groups as usize;
+    let s = bs % seq as usize;
+    let b = bs / seq as usize;
+    let nh = heads as usize;
+    let ns = seq as usize;
+    // The heads' loads first (raw), so that they are all in flight at once.
+    let xb = (b * x.stride(0) + s * x.stride(2)) / nv + j;
+    let hs = x.stride(1) / nv;
+    let mut x1s = Array::<Vector<F, N>>::new(hpt);
+    let mut x2s = Array::<Vector<F, N>>::new(hpt);
+    #[unroll]
+    for k in 0..hpt {
+        let h = hg * hpt + k;
+        if h < nh {
+            let xi = xb + h * hs;
+            x1s[k] = x[xi];
+            x2s[k] = x[xi + hv];
+        }
+    }
+    // Table row `s`, elements `j * nv ..` of each half, as `nv / mv` vectors of `mv`.
+    let half = hv * nv;
+    let tb = (s * 2 * half + j * nv) / mv;
+    let th = half / mv;
+    let mut c1 = Vector::<f32, N>::empty();
+    let mut c2 = Vector::<f32, N>::empty();
+    let mut s1 = Vector::<f32, N>::empty();
+    let mut s2 = Vector::<f32, N>::empty();
+    #[unroll]
+    for q in 0..comptime!(nv / mv) {
+        let ca = cos[tb + q];
+        let cb = cos[tb + th + q];
+        let sa = sin[tb + q];
+        let sb = sin[tb + th + q];
+        #[unroll]
+        for l in 0..mv {
+            c1[q * mv + l] = ca[l];
+            c2[q * mv + l] = cb[l];
+            s1[q * mv + l] = sa[l];
+            s2[q * mv + l] = sb[l];
+        }
+    }
+    // Output vector of (b, h, s, j) in the contiguous [batch, heads, seq, d] result.
+    let head_vectors = ns * 2 * hv;
+    let ob = (b * nh * ns + s) * 2 * hv + j;
+    #[unroll]
+    for k in 0..hpt {
+        let h = hg * hpt + k;
+        if h < nh {
+            let x1 = Vector::<f32, N>::cast_from(x1s[k]);
+            let x2 = Vector::<f32, N>::cast_from(x2s[k]);
+            let oi = ob + h * head_vectors;
+            if comptime!(backward) {
+                out[oi] = Vector::<F, N>::cast_from(x1 * c1 + x2 * s2);
+                out[oi + hv] = Vector::<F, N>::cast_from(x2 * c2 - x1 * s1);
+            } else {
+                out[oi] = Vector::<F, N>::cast_from(x1 * c1 - x2 * s1);
+                out[oi + hv] = Vector::<F, N>::cast_from(x2 * c2 + x1 * s2);
+            }
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------------
 // Host side
 // ------------------------------------------------------------------------------------------
@@ -452,6 +817,14 @@ fn check_u32(op: &str, t: &CubeTensor<impl CubeRuntime>) {
     );
 }
 
+/// A kernel's thread count fits its 32-bit `total` argument.
+fn check_u32_count(op: &str, n: usize) {
+    assert!(
+        n < u32::MAX as usize,
+        "{op}: {n} threads are too many for 32-bit indexing"
+    );
+}
+
 /// Threads per cube and vectors per thread of a row kernel for rows of `row_vectors` vectors.
 fn row_layout(row_vectors: usize) -> (usize, usize) {
     let threads = row_vectors
@@ -470,6 +843,32 @@ pub fn rms_norm_supports(hidden: usize) -> bool {
 fn cubes(n: usize) -> CubeCount {
     let x = n.clamp(1, 65_535);
     CubeCount::Static(x as u32, n.div_ceil(x) as u32, 1)
+}
+
+/// Threads per cube and vectors per thread of the version-2 RMSNorm backward: as few vectors per
+/// thread as [`NORM_BWD_V2_THREADS`] threads allow (one for bf16 rows of up to 4096), at most
+/// eight; longer rows (scalar loads of odd sizes) take up to [`ROW_MAX_THREADS`] threads, and
+/// at most 16 vectors each, as [`rms_norm_supports`] guarantees.
+fn row_layout_bwd_v2(row_vectors: usize) -> (usize, usize) {
+    let max = if row_vectors > 8 * NORM_BWD_V2_THREADS {
+        ROW_MAX_THREADS
+    } else {
+        NORM_BWD_V2_THREADS
+    };
+    let threads = row_vectors
+        .div_ceil(row_vectors.div_ceil(max))
+        .next_multiple_of(32)
+        .clamp(32, max);
+    (threads, row_vectors.div_ceil(threads))
+}
+
+/// The device's SM count, or [`DEFAULT_SMS`].
+fn sm_count<R: CubeRuntime>(client: &ComputeClient<R>) -> usize {
+    client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .map_or(DEFAULT_SMS, |n| (n as usize).max(1))
 }
 
 fn rms_norm_dims<R: CubeRuntime>(x: &CubeTensor<R>, weight: &CubeTensor<R>) -> (usize, usize) {
@@ -616,8 +1015,21 @@ pub fn rms_norm_backward<R: CubeRuntime>(
     }
     let nv = vector_width(&[&x, &weight, &dy, &dx], hidden);
     let row_vectors = hidden / nv;
-    let (threads, vpt) = row_layout(row_vectors);
-    let rows_per_cube = rows.div_ceil(NORM_BWD_CUBES);
+    let legacy = legacy_kernels();
+    let (threads, vpt) = if legacy {
+        row_layout(row_vectors)
+    } else {
+        row_layout_bwd_v2(row_vectors)
+    };
+    // Legacy: a fixed ~512 blocks. Version 2: about one wave of cubes (two per SM at 512
+    // threads, more for smaller cubes), so each cube's pipeline runs over many rows and the
+    // partial sums stay small (about 256 rows of `hidden` f32 on an H200).
+    let target_blocks = if legacy {
+        NORM_BWD_CUBES
+    } else {
+        sm_count(&client) * (1024 / threads).max(2)
+    };
+    let rows_per_cube = rows.div_ceil(target_blocks);
     let blocks = rows.div_ceil(rows_per_cube);
     let partial = empty_device_contiguous_dtype(
         client.clone(),
@@ -629,47 +1041,104 @@ pub fn rms_norm_backward<R: CubeRuntime>(
         },
         DType::F32,
     );
-    // SAFETY: cube `b` reads rows `b * rows_per_cube ..` clamped to `rows`; vector indices stay
-    // inside the row; `partial` has `blocks * hidden` elements when written.
-    unsafe {
-        rms_norm_bwd_kernel::launch_unchecked::<R>(
-            &client,
-            cubes(blocks),
-            CubeDim::new_1d(threads as u32),
-            nv,
-            x.into_tensor_arg(),
-            weight.into_tensor_arg(),
-            dy.into_tensor_arg(),
-            inv_rms.into_tensor_arg(),
-            dx.clone().into_tensor_arg(),
-            partial.clone().into_tensor_arg(),
-            rows as u32,
-            row_vectors as u32,
-            hidden as f32,
-            rows_per_cube as u32,
-            nv,
-            vpt,
-            threads,
-            want_dw,
-            dtype.into(),
-        );
+    if legacy {
+        // SAFETY: cube `b` reads rows `b * rows_per_cube ..` clamped to `rows`; vector indices
+        // stay inside the row; `partial` has `blocks * hidden` elements when written.
+        unsafe {
+            rms_norm_bwd_kernel::launch_unchecked::<R>(
+                &client,
+                cubes(blocks),
+                CubeDim::new_1d(threads as u32),
+                nv,
+                x.into_tensor_arg(),
+                weight.into_tensor_arg(),
+                dy.into_tensor_arg(),
+                inv_rms.into_tensor_arg(),
+                dx.clone().into_tensor_arg(),
+                partial.clone().into_tensor_arg(),
+                rows as u32,
+                row_vectors as u32,
+                hidden as f32,
+                rows_per_cube as u32,
+                nv,
+                vpt,
+                threads,
+                want_dw,
+                dtype.into(),
+            );
+        }
+    } else {
+        // SAFETY: as the legacy launch: cube `b` owns rows `b * rows_per_cube ..` clamped to
+        // `rows` (the prefetch reads row `i + 1` only when it is below that clamp); vector
+        // indices stay inside the row; shared memory holds two halves of one value per thread.
+        unsafe {
+            rms_norm_bwd_v2_kernel::launch_unchecked::<R>(
+                &client,
+                cubes(blocks),
+                CubeDim::new_1d(threads as u32),
+                nv,
+                x.into_tensor_arg(),
+                weight.into_tensor_arg(),
+                dy.into_tensor_arg(),
+                inv_rms.into_tensor_arg(),
+                dx.clone().into_tensor_arg(),
+                partial.clone().into_tensor_arg(),
+                rows as u32,
+                row_vectors as u32,
+                hidden as f32,
+                rows_per_cube as u32,
+                nv,
+                vpt,
+                threads,
+                want_dw,
+                dtype.into(),
+            );
+        }
     }
     let dw = want_dw.then(|| {
         let dw = alloc_dw();
-        // SAFETY: one thread per (column, group); columns past `hidden` only write shared
-        // memory; rows stay below `blocks`.
-        unsafe {
-            column_sum_kernel::launch_unchecked::<R>(
-                &client,
-                CubeCount::Static(hidden.div_ceil(32) as u32, 1, 1),
-                CubeDim::new_1d((32 * COLSUM_GROUPS) as u32),
-                partial.into_tensor_arg(),
-                dw.clone().into_tensor_arg(),
-                blocks as u32,
-                hidden as u32,
-                COLSUM_GROUPS,
-                dtype.into(),
-            );
+        if legacy {
+            // SAFETY: one thread per (column, group); columns past `hidden` only write shared
+            // memory; rows stay below `blocks`.
+            unsafe {
+                column_sum_kernel::launch_unchecked::<R>(
+                    &client,
+                    CubeCount::Static(hidden.div_ceil(32) as u32, 1, 1),
+                    CubeDim::new_1d((32 * COLSUM_GROUPS) as u32),
+                    partial.into_tensor_arg(),
+                    dw.clone().into_tensor_arg(),
+                    blocks as u32,
+                    hidden as u32,
+                    COLSUM_GROUPS,
+                    dtype.into(),
+                );
+            }
+        } else {
+            // `partial` is freshly allocated and contiguous, so any width dividing a row works.
+            let mv = [4usize, 2, 1]
+                .into_iter()
+                .find(|w| hidden.is_multiple_of(*w))
+                .unwrap_or(1);
+            let col_vectors = hidden / mv;
+            // SAFETY: one thread per (column vector, group); column vectors past `col_vectors`
+            // only write shared memory; rows stay below `blocks`; `dw` has `col_vectors * mv`
+            // elements.
+            unsafe {
+                column_sum_v2_kernel::launch_unchecked::<R>(
+                    &client,
+                    CubeCount::Static(col_vectors.div_ceil(COLSUM_V2_LANES) as u32, 1, 1),
+                    CubeDim::new_1d((COLSUM_V2_LANES * COLSUM_V2_GROUPS) as u32),
+                    mv,
+                    partial.into_tensor_arg(),
+                    dw.clone().into_tensor_arg(),
+                    blocks as u32,
+                    col_vectors as u32,
+                    mv,
+                    COLSUM_V2_LANES,
+                    COLSUM_V2_GROUPS,
+                    dtype.into(),
+                );
+            }
         }
         dw
     });
@@ -841,21 +1310,60 @@ pub fn rope_apply<R: CubeRuntime>(
     let half = d / 2;
     let nv = vector_width(&[&x, &out], half);
     let half_vectors = half / nv;
-    let total = shape.num_elements() / 2 / nv;
+    let (client, dtype) = (x.client.clone(), x.dtype);
+    if legacy_kernels() {
+        let total = shape.num_elements() / 2 / nv;
+        if total == 0 {
+            return out;
+        }
+        let count =
+            calculate_cube_count_elemwise(&client, total, CubeDim::new_1d(ELEMWISE_THREADS as u32));
+        // SAFETY: the kernel guards `pos < total`; (batch, head, position) come from the
+        // checked shape, the strides from the tensor, so every index stays inside `x`, `out`
+        // and the tables.
+        unsafe {
+            rope_kernel::launch_unchecked::<R>(
+                &client,
+                count,
+                CubeDim::new_1d(ELEMWISE_THREADS as u32),
+                nv,
+                x.into_tensor_arg(),
+                cos.clone().into_tensor_arg(),
+                sin.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                total as u32,
+                heads as u32,
+                seq as u32,
+                half_vectors as u32,
+                nv,
+                backward,
+                dtype.into(),
+            );
+        }
+        return out;
+    }
+    // Tables in vectors of at most 16 bytes that divide x's vector (so a thread's `nv` angles
+    // are whole table vectors); the tables are contiguous, so only their offsets can forbid it.
+    let mv = vector_width(&[cos, sin], nv).min(4);
+    let head_groups = heads.div_ceil(ROPE_HEADS_PER_THREAD);
+    let total = shape[0] * seq * head_groups * half_vectors;
     if total == 0 {
         return out;
     }
-    let (client, dtype) = (x.client.clone(), x.dtype);
+    check_u32_count("rope", total);
     let count =
         calculate_cube_count_elemwise(&client, total, CubeDim::new_1d(ELEMWISE_THREADS as u32));
-    // SAFETY: the kernel guards `pos < total`; (batch, head, position) come from the checked
-    // shape, the strides from the tensor, so every index stays inside `x`, `out` and the tables.
+    // SAFETY: the kernel guards `pos < total` and `head < heads`; (batch, position, head) come
+    // from the checked shape, the strides from the tensor (all but the last divisible by `nv`,
+    // which `vector_width` checked), so every index stays inside `x`, `out` and the tables,
+    // whose vectors of `mv` divide `nv` and the table row.
     unsafe {
-        rope_kernel::launch_unchecked::<R>(
+        rope_v2_kernel::launch_unchecked::<R>(
             &client,
             count,
             CubeDim::new_1d(ELEMWISE_THREADS as u32),
             nv,
+            mv,
             x.into_tensor_arg(),
             cos.clone().into_tensor_arg(),
             sin.clone().into_tensor_arg(),
@@ -864,7 +1372,10 @@ pub fn rope_apply<R: CubeRuntime>(
             heads as u32,
             seq as u32,
             half_vectors as u32,
+            head_groups as u32,
             nv,
+            mv,
+            ROPE_HEADS_PER_THREAD,
             backward,
             dtype.into(),
         );
