@@ -21,7 +21,9 @@
 //! The `mma` variant is labelled `mma[WxM,BWD]` with its forward tiling (W warps per cube, M
 //! 16-row tiles per warp; see `flash::MmaTiling`) and its backward tiling BWD (`WxI-atomic` or
 //! `WxI-split`: W warps of 16 keys, inner query blocks of I, dQ by atomics in the dK/dV kernel
-//! or by a separate kernel; see `flash::MmaBwdTiling`). It runs once per forward tiling (with
+//! or by a separate kernel; suffixes `-pf` (next Q/dO block prefetched into registers), `-cp`
+//! (`cp.async` double buffering in both backward kernels) and `-vd` (warp-cooperative `delta`
+//! kernel); see `flash::MmaBwdTiling`). It runs once per forward tiling (with
 //! the default backward tiling, or the first one asked for) and once per further backward
 //! tiling (with the default forward tiling, or the first asked for), so every tiling asked for
 //! is checked and benchmarked. Before its checks, a fragment probe runs the Mma kernels'
@@ -32,7 +34,8 @@
 //!
 //! Flags: `--quick` (fewer shapes, S=4096 only), `--no-bench`, `--no-check`,
 //! `--variant plain|cmma|mma` (only that one), `--mma-tiling 4x1|8x1|4x2|8x2|all` (default
-//! all), `--mma-bwd-tiling {4,8}x{32,64}-{atomic,split}|all` (default all), `--iters N` (timed
+//! all), `--mma-bwd-tiling {4,8}x{32,64}-{atomic,split}[-pf|-cp][-vd]|all` (default all; the
+//! names `MmaBwdTiling::ALL` lists, printed by an unknown name), `--iters N` (timed
 //! iterations, default 10).
 //! Lines starting `RESULT|` are for machines:
 //! `RESULT|check|variant|dtype|shape|tensor|max_abs|rel|ok`,
@@ -111,9 +114,11 @@ fn parse_args() -> Args {
                 a.bwd_tilings = match name.as_deref() {
                     Some("all") => MmaBwdTiling::ALL.to_vec(),
                     Some(t) => vec![MmaBwdTiling::parse(t).unwrap_or_else(|| {
+                        let names: Vec<String> =
+                            MmaBwdTiling::ALL.iter().map(|t| t.to_string()).collect();
                         panic!(
-                            "--mma-bwd-tiling takes {{4,8}}x{{32,64}}-{{atomic,split}} (e.g. \
-                             8x64-atomic) or all, got {t:?}"
+                            "--mma-bwd-tiling takes one of {} or all, got {t:?}",
+                            names.join(", ")
                         )
                     })],
                     None => panic!("--mma-bwd-tiling needs a value"),

@@ -59,8 +59,8 @@ use cubecl::prelude::*;
 #[path = "flash_mma.rs"]
 pub mod flash_mma;
 pub use flash_mma::{
-    MmaBwdTiling, MmaDq, MmaTiling, mma_bwd_tiling, mma_fragment_probe, mma_supported, mma_tiling,
-    set_mma_bwd_tiling, set_mma_tiling,
+    MmaBwdPipe, MmaBwdTiling, MmaDq, MmaTiling, mma_async_supported, mma_bwd_tiling,
+    mma_fragment_probe, mma_supported, mma_tiling, set_mma_bwd_tiling, set_mma_tiling,
 };
 
 /// Rows and keys per block in the plain kernels (one thread per (row, quarter of the columns)).
@@ -2088,21 +2088,25 @@ pub fn flash_backward_with<R: CubeRuntime>(
         total_rows <= u32::MAX as usize,
         "flash attention backward: too many rows ({total_rows})"
     );
-    // SAFETY: the kernel guards `pos < total_rows`; indices follow the checked shapes.
-    unsafe {
-        flash_delta_kernel::launch_unchecked::<R>(
-            &client,
-            CubeCount::Static(total_rows.div_ceil(DELTA_THREADS) as u32, 1, 1),
-            CubeDim::new_1d(DELTA_THREADS as u32),
-            o.into_tensor_arg(),
-            d_o.clone().into_tensor_arg(),
-            delta.clone().into_tensor_arg(),
-            seq as u32,
-            heads_q as u32,
-            total_rows as u32,
-            head_dim,
-            dtype.into(),
-        );
+    if variant == FlashVariant::Mma && mma_bwd_tiling().wide_delta {
+        flash_mma::launch_delta_wide(o, &d_o, &delta, q_shape);
+    } else {
+        // SAFETY: the kernel guards `pos < total_rows`; indices follow the checked shapes.
+        unsafe {
+            flash_delta_kernel::launch_unchecked::<R>(
+                &client,
+                CubeCount::Static(total_rows.div_ceil(DELTA_THREADS) as u32, 1, 1),
+                CubeDim::new_1d(DELTA_THREADS as u32),
+                o.into_tensor_arg(),
+                d_o.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                seq as u32,
+                heads_q as u32,
+                total_rows as u32,
+                head_dim,
+                dtype.into(),
+            );
+        }
     }
 
     match variant {

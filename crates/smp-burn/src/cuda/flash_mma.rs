@@ -83,6 +83,19 @@
 //!
 //! Layout facts beyond the forward's: only the transposed `ldmatrix` of a stored accumulator
 //! tile as an A operand (`mma_atb_acc`); the probe checks it (`t = s^T v`).
+//!
+//! Staging of the inner loops ([`MmaBwdPipe`], the `-pf` / `-cp` suffixes of a tiling's name)
+//! and the `delta` kernel (`-vd`) are further knobs. `-pf` and `-cp` compute the same values
+//! in the same order as the plain `*-split` tiling of the same shape (they only move data
+//! differently); `-vd` sums `delta` in another f32 order:
+//! - `-pf`: the dK/dV kernel loads the next query block's Q, dO, lse and delta into registers
+//!   right after the barrier that publishes the current one (the forward's K/V scheme), so the
+//!   global loads overlap the current block's four products.
+//! - `-cp`: both kernels copy their streamed tiles with `cp.async` into the other half of a
+//!   double buffer ([`flash_bwd_dkdv_mma_cp`], [`flash_bwd_dq_mma_cp`]); a cube `mbarrier`
+//!   (`commit_copy_async` + `arrive_and_wait`) is the one barrier per block.
+//! - `-vd`: `delta` by [`flash_delta_wide`] (8 lanes per row, 16-byte loads, shuffle reduction)
+//!   instead of `flash.rs`'s one thread per row.
 
 // Kernel code is expanded by `#[cube]`, which has no `div_ceil` on runtime integers.
 #![allow(clippy::manual_div_ceil)]
@@ -94,7 +107,8 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::MmaConfig;
-use cubecl::ir::{ElemType, FloatKind};
+use cubecl::ir::{BarrierLevel, ElemType, FloatKind, OpaqueType};
+use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 
 use super::{load_tile_regs, stage_tile, store_tile_regs, vector_width};
@@ -208,8 +222,33 @@ pub enum MmaDq {
     Split,
 }
 
+/// How the Mma backward moves the tiles of its inner loop (Q, dO, lse and delta in the dK/dV
+/// kernel; K and V in the separate dQ kernel) from global to shared memory.
+///
+/// Why: with 8 warps the dK/dV kernel runs one cube per SM (dK and dV take 128 registers per
+/// lane), so while the cube waits for a synchronously staged Q/dO block no other warp hides the
+/// global-memory latency; at 32-query blocks that wait is a large share of an iteration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MmaBwdPipe {
+    /// Each block is loaded and stored to shared memory between two barriers (the original
+    /// kernels; the dQ kernel already prefetches K/V into registers).
+    Sync,
+    /// The dK/dV kernel loads the next Q/dO block (and its lse/delta) into registers right
+    /// after the barrier, so that the loads are in flight during the current block's products
+    /// (the forward's scheme; costs `inner * d / (32 * warps)` 32-bit registers per lane for
+    /// the bf16 Q and dO, 16 at 8x32 and hd 128). The dQ kernel is unchanged.
+    Prefetch,
+    /// `cp.async` (global to shared without registers) into a second shared buffer, completion
+    /// tracked by a cube `mbarrier` (`Barrier::commit_copy_async` + `arrive_and_wait`): one
+    /// barrier per block instead of two, no staging registers, the next block's copy in flight
+    /// during the current block's products. Both the dK/dV kernel (Q/dO/lse/delta) and the dQ
+    /// kernel (K/V) use it. Only with [`MmaDq::Split`].
+    Async,
+}
+
 /// Shape of the Mma backward: the dK/dV kernel has `warps` warps of 16 keys each and walks
-/// the queries in blocks of `inner`; `dq` picks the dQ scheme. The separate dQ kernel
+/// the queries in blocks of `inner`; `dq` picks the dQ scheme, `pipe` how the inner loop's
+/// tiles are staged, `wide_delta` the `delta = rowsum(dO * O)` kernel. The separate dQ kernel
 /// ([`MmaDq::Split`]) uses `warps` warps of 16 query rows and key blocks of [`MMA_KEYS`].
 ///
 /// Why a knob: the dK/dV kernel keeps dK and dV (`d / 2` f32 each per lane at hd 128, i.e.
@@ -225,21 +264,25 @@ pub struct MmaBwdTiling {
     pub inner: usize,
     /// Where dQ is computed.
     pub dq: MmaDq,
+    /// How the inner loops stage their tiles.
+    pub pipe: MmaBwdPipe,
+    /// `delta` by a warp-cooperative kernel (a few lanes per row, 16-byte loads, shuffle
+    /// reduction; `launch_delta_wide`) instead of one thread per row.
+    pub wide_delta: bool,
 }
 
 impl MmaBwdTiling {
     /// 8 warps (128 keys per cube), 32-query blocks, dQ by the separate kernel: the fastest of
-    /// the eight on an H200 (hd 128, causal: 135 TFLOP/s at S=4096, 151 at 16384; the atomic
-    /// dQ of the same shape 131 / 144; FlashAttention-2's 8x64-atomic 115 / 127). It is also
-    /// deterministic, which the atomic dQ is not.
-    pub const DEFAULT: MmaBwdTiling = MmaBwdTiling {
-        warps: 8,
-        inner: 32,
-        dq: MmaDq::Split,
-    };
+    /// the eight original tilings on an H200 (hd 128, causal: 135 TFLOP/s at S=4096, 151 at
+    /// 16384; the atomic dQ of the same shape 131 / 144; FlashAttention-2's 8x64-atomic 115 /
+    /// 127). It is also deterministic, which the atomic dQ is not. The `-pf`, `-cp` and `-vd`
+    /// tilings are unmeasured additions.
+    pub const DEFAULT: MmaBwdTiling = MmaBwdTiling::new(8, 32, MmaDq::Split);
 
-    /// Every supported backward tiling, for checks and benchmarks.
-    pub const ALL: [MmaBwdTiling; 8] = [
+    /// Every supported backward tiling, for checks and benchmarks: the eight original ones,
+    /// then the staging/delta variants (the riskier `cp.async` ones last, so that a failure
+    /// there leaves the others' results printed).
+    pub const ALL: [MmaBwdTiling; 15] = [
         MmaBwdTiling::new(8, 64, MmaDq::Atomic),
         MmaBwdTiling::new(4, 64, MmaDq::Atomic),
         MmaBwdTiling::new(8, 32, MmaDq::Atomic),
@@ -248,10 +291,31 @@ impl MmaBwdTiling {
         MmaBwdTiling::new(4, 64, MmaDq::Split),
         MmaBwdTiling::new(8, 32, MmaDq::Split),
         MmaBwdTiling::new(4, 32, MmaDq::Split),
+        MmaBwdTiling::new(8, 32, MmaDq::Split).with(MmaBwdPipe::Sync, true),
+        MmaBwdTiling::new(8, 32, MmaDq::Split).with(MmaBwdPipe::Prefetch, true),
+        MmaBwdTiling::new(8, 64, MmaDq::Split).with(MmaBwdPipe::Prefetch, true),
+        MmaBwdTiling::new(4, 32, MmaDq::Split).with(MmaBwdPipe::Prefetch, true),
+        MmaBwdTiling::new(8, 32, MmaDq::Split).with(MmaBwdPipe::Async, true),
+        MmaBwdTiling::new(8, 64, MmaDq::Split).with(MmaBwdPipe::Async, true),
+        MmaBwdTiling::new(4, 64, MmaDq::Split).with(MmaBwdPipe::Async, true),
     ];
 
     const fn new(warps: usize, inner: usize, dq: MmaDq) -> Self {
-        MmaBwdTiling { warps, inner, dq }
+        MmaBwdTiling {
+            warps,
+            inner,
+            dq,
+            pipe: MmaBwdPipe::Sync,
+            wide_delta: false,
+        }
+    }
+
+    const fn with(self, pipe: MmaBwdPipe, wide_delta: bool) -> Self {
+        MmaBwdTiling {
+            pipe,
+            wide_delta,
+            ..self
+        }
     }
 
     /// Keys per cube of the dK/dV kernel.
@@ -259,21 +323,29 @@ impl MmaBwdTiling {
         16 * self.warps
     }
 
-    /// Parses `WARPSxINNER-atomic` or `WARPSxINNER-split`, e.g. `8x64-atomic`; `None` for
-    /// anything unsupported.
+    /// Parses `WARPSxINNER-DQ[-pf|-cp][-vd]` with DQ `atomic` or `split`, e.g. `8x64-atomic`
+    /// or `8x32-split-cp-vd`; `None` for anything not in [`MmaBwdTiling::ALL`].
     pub fn parse(s: &str) -> Option<MmaBwdTiling> {
-        let (shape, dq) = s.trim().split_once('-')?;
-        let (w, i) = shape.split_once('x')?;
-        let dq = match dq {
+        let mut parts = s.trim().split('-');
+        let (w, i) = parts.next()?.split_once('x')?;
+        let dq = match parts.next()? {
             "atomic" => MmaDq::Atomic,
             "split" => MmaDq::Split,
             _ => return None,
         };
-        let tiling = MmaBwdTiling {
-            warps: w.parse().ok()?,
-            inner: i.parse().ok()?,
-            dq,
-        };
+        let mut tiling = MmaBwdTiling::new(w.parse().ok()?, i.parse().ok()?, dq);
+        for flag in parts {
+            match flag {
+                "pf" if tiling.pipe == MmaBwdPipe::Sync && !tiling.wide_delta => {
+                    tiling.pipe = MmaBwdPipe::Prefetch
+                }
+                "cp" if tiling.pipe == MmaBwdPipe::Sync && !tiling.wide_delta => {
+                    tiling.pipe = MmaBwdPipe::Async
+                }
+                "vd" if !tiling.wide_delta => tiling.wide_delta = true,
+                _ => return None,
+            }
+        }
         Self::ALL.contains(&tiling).then_some(tiling)
     }
 }
@@ -284,7 +356,13 @@ impl std::fmt::Display for MmaBwdTiling {
             MmaDq::Atomic => "atomic",
             MmaDq::Split => "split",
         };
-        write!(f, "{}x{}-{dq}", self.warps, self.inner)
+        let pipe = match self.pipe {
+            MmaBwdPipe::Sync => "",
+            MmaBwdPipe::Prefetch => "-pf",
+            MmaBwdPipe::Async => "-cp",
+        };
+        let delta = if self.wide_delta { "-vd" } else { "" };
+        write!(f, "{}x{}-{dq}{pipe}{delta}", self.warps, self.inner)
     }
 }
 
@@ -308,7 +386,7 @@ pub fn mma_bwd_tiling() -> MmaBwdTiling {
         Ok(s) => MmaBwdTiling::parse(&s).unwrap_or_else(|| {
             panic!(
                 "SMP_BURN_FLASH_MMA_BWD_TILING={s:?}: expected {{4,8}}x{{32,64}}-{{atomic,split}}, \
-                 e.g. 8x64-atomic"
+                 e.g. 8x64-atomic, or one of the -pf/-cp/-vd tilings of MmaBwdTiling::ALL"
             )
         }),
         Err(_) => MmaBwdTiling::DEFAULT,
@@ -393,7 +471,8 @@ fn zero_frags(#[comptime] n: usize) -> Sequence<Array<Vector<f32, Const<2>>>> {
 }
 
 /// `S = A B^T` for one warp: `A` is `16 * m_tiles` rows of a row-major shared tile starting at
-/// row `a_row0` (pitch `ldt`), `B` the `8 * n_tiles` rows of another starting at row 0, both
+/// row `a_row0` (pitch `ldt`), `B` the `8 * n_tiles` rows of another starting at row `b_row0`
+/// (a multiple of 8: 0, or the second half of a double buffer), both
 /// `16 * k_steps` columns wide. Fragment `mt * n_tiles + nt` of `s` receives rows
 /// `16 mt .. 16 mt + 16`, columns (rows of B) `8 nt .. 8 nt + 8`; its previous content is
 /// overwritten. `n_tiles` must be even.
@@ -403,6 +482,7 @@ fn mma_abt_strip<F: Float, N: Size>(
     a: &SharedMemory<Vector<F, N>>,
     a_row0: usize,
     b: &SharedMemory<Vector<F, N>>,
+    b_row0: usize,
     s: &mut Sequence<Array<Vector<f32, Const<2>>>>,
     lane: usize,
     #[comptime] m_tiles: usize,
@@ -440,7 +520,12 @@ fn mma_abt_strip<F: Float, N: Size>(
         }
         #[unroll]
         for np in 0..comptime!(n_tiles / 2) {
-            let b4 = ldsm_x4::<F, N>(b, (16 * np + b_row) * ldt + 16 * kk + b_col, nv, false);
+            let b4 = ldsm_x4::<F, N>(
+                b,
+                (b_row0 + 16 * np + b_row) * ldt + 16 * kk + b_col,
+                nv,
+                false,
+            );
             let b_lo = frag_pair::<F>(&b4, 0usize);
             let b_hi = frag_pair::<F>(&b4, 2usize);
             #[unroll]
@@ -456,13 +541,14 @@ fn mma_abt_strip<F: Float, N: Size>(
 /// `O += P V` for one warp: `p` holds the probabilities of `16 * m_tiles` rows by
 /// `8 * n_tiles` keys in accumulator order (`((mt * n_tiles + nt) * 2 + h) * 2 + e` is
 /// element `e` of vector `h` of fragment (mt, nt)); `V` is a row-major shared tile `[key][d]`
-/// (pitch `ldt`). Fragment `mt * d_tiles + dt` of `o` accumulates rows of m-tile `mt`,
+/// (pitch `ldt`) whose key 0 is row `v_row0` (a multiple of 8). Fragment `mt * d_tiles + dt` of `o` accumulates rows of m-tile `mt`,
 /// columns `8 dt .. 8 dt + 8`. P is rounded to `F` here (as in FlashAttention-2).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn mma_pv_strip<F: Float, N: Size>(
     p: &Array<f32>,
     v: &SharedMemory<Vector<F, N>>,
+    v_row0: usize,
     o: &mut Sequence<Array<Vector<f32, Const<2>>>>,
     lane: usize,
     #[comptime] m_tiles: usize,
@@ -497,7 +583,12 @@ fn mma_pv_strip<F: Float, N: Size>(
         }
         #[unroll]
         for dp in 0..comptime!(d_tiles / 2) {
-            let b4 = ldsm_x4::<F, N>(v, (16 * kk + v_row) * ldt + 16 * dp + v_col, nv, true);
+            let b4 = ldsm_x4::<F, N>(
+                v,
+                (v_row0 + 16 * kk + v_row) * ldt + 16 * dp + v_col,
+                nv,
+                true,
+            );
             let b_lo = frag_pair::<F>(&b4, 0usize);
             let b_hi = frag_pair::<F>(&b4, 2usize);
             #[unroll]
@@ -749,7 +840,7 @@ fn flash_fwd_mma<F: Float, N: Size>(
         // Warps whose rows all precede the block see none of its keys (warp-uniform).
         if k0 < row0 + rows_w {
             mma_abt_strip::<F, N>(
-                &qs, wrow, &ks, &mut s_acc, lane, m_tiles, n_tiles, k_steps, ldt, nv,
+                &qs, wrow, &ks, 0usize, &mut s_acc, lane, m_tiles, n_tiles, k_steps, ldt, nv,
             );
             // Only blocks that reach past this warp's first row need the causal mask.
             let masked = k0 + bk > row0 + 1;
@@ -806,7 +897,7 @@ fn flash_fwd_mma<F: Float, N: Size>(
                 }
             }
             mma_pv_strip::<F, N>(
-                &p, &vs, &mut o_acc, lane, m_tiles, n_tiles, d_tiles, ldt, nv,
+                &p, &vs, 0usize, &mut o_acc, lane, m_tiles, n_tiles, d_tiles, ldt, nv,
             );
         }
     }
@@ -905,12 +996,472 @@ pub(super) fn launch_forward<R: CubeRuntime>(
 // Backward
 // ------------------------------------------------------------------------------------------
 
+/// lse and delta of query `qi` of head `h` as the dK/dV kernel stages them, in a pair: past
+/// the end `lse = 1e30` (so `P = exp(s - 1e30) = 0` there) and `delta = 0`.
+#[cube]
+fn bwd_row_stats(
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    b: usize,
+    h: usize,
+    qi: usize,
+    seq: usize,
+) -> Vector<f32, Const<2>> {
+    let mut out = Vector::<f32, Const<2>>::empty();
+    out[0] = f32::new(1.0e30);
+    out[1] = f32::new(0.0);
+    if qi < seq {
+        out[0] = lse[b * lse.stride(0) + h * lse.stride(1) + qi * lse.stride(2)];
+        out[1] = delta[b * delta.stride(0) + h * delta.stride(1) + qi * delta.stride(2)];
+    }
+    out
+}
+
+/// [`stage_tile`] through `cp.async`: issues the copies of rows `row0 .. row0 + rows` (all `d`
+/// columns, `nv` elements per copy, `2 * nv` bytes) of one head into rows `dst_row0 ..` of a
+/// shared tile of pitch `ld` elements, and zero-fills rows at or past `seq` with ordinary
+/// stores. Nothing waits here: the data is there after the caller's
+/// `commit_copy_async` + `arrive_and_wait` on a cube barrier (which also orders the stores).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_tile_async<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    base_v: usize,
+    stride_v: usize,
+    row0: usize,
+    seq: usize,
+    dst: &mut SharedMemory<Vector<F, N>>,
+    dst_row0: usize,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+    #[comptime] ld: usize,
+    #[comptime] nv: usize,
+    #[comptime] nthreads: usize,
+) {
+    let t = UNIT_POS as usize;
+    let dv = comptime!(d / nv);
+    let ldv = comptime!(ld / nv);
+    let per_thread = comptime!(rows * d / nv / nthreads);
+    let width = comptime!(nv as u32);
+    #[unroll]
+    for i in 0..per_thread {
+        let e = i * nthreads + t;
+        let r = e / dv;
+        let cv = e % dv;
+        let gr = row0 + r;
+        let di = (dst_row0 + r) * ldv + cv;
+        if gr < seq {
+            let si = base_v + gr * stride_v + cv;
+            copy_async::<Vector<F, N>>(
+                &src.slice(si, si + 1),
+                &mut dst.slice_mut(di, di + 1),
+                width,
+            );
+        } else {
+            dst[di] = Vector::new(F::new(0.0));
+        }
+    }
+}
+
+/// Issues the asynchronous copies of the dK/dV kernel's query block at `q0` of head `h`: Q and
+/// dO rows into rows `qrow0 ..` of `qs` and `dos`, lse and delta into `lse_s[qrow0 ..]`,
+/// `delta_s[qrow0 ..]` (4-byte `cp.async`), with [`bwd_row_stats`]'s values past the end.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_qdo_async<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    qs: &mut SharedMemory<Vector<F, N>>,
+    dos: &mut SharedMemory<Vector<F, N>>,
+    lse_s: &mut SharedMemory<f32>,
+    delta_s: &mut SharedMemory<f32>,
+    b: usize,
+    h: usize,
+    q0: usize,
+    seq: usize,
+    qrow0: usize,
+    #[comptime] bq: usize,
+    #[comptime] d: usize,
+    #[comptime] ldt: usize,
+    #[comptime] nv: usize,
+    #[comptime] nthreads: usize,
+) {
+    copy_tile_async::<F, N>(
+        q,
+        (b * q.stride(0) + h * q.stride(1)) / nv,
+        q.stride(2) / nv,
+        q0,
+        seq,
+        qs,
+        qrow0,
+        bq,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    copy_tile_async::<F, N>(
+        d_o,
+        (b * d_o.stride(0) + h * d_o.stride(1)) / nv,
+        d_o.stride(2) / nv,
+        q0,
+        seq,
+        dos,
+        qrow0,
+        bq,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    let t = UNIT_POS as usize;
+    let one = comptime!(1u32);
+    if t < bq {
+        let qi = q0 + t;
+        let si = qrow0 + t;
+        if qi < seq {
+            let li = b * lse.stride(0) + h * lse.stride(1) + qi * lse.stride(2);
+            let di = b * delta.stride(0) + h * delta.stride(1) + qi * delta.stride(2);
+            copy_async::<f32>(
+                &lse.slice(li, li + 1),
+                &mut lse_s.slice_mut(si, si + 1),
+                one,
+            );
+            copy_async::<f32>(
+                &delta.slice(di, di + 1),
+                &mut delta_s.slice_mut(si, si + 1),
+                one,
+            );
+        } else {
+            lse_s[si] = f32::new(1.0e30);
+            delta_s[si] = f32::new(0.0);
+        }
+    }
+}
+
+/// Loads this thread's share of the dK/dV kernel's query block at `q0` of head `h` (Q and dO
+/// rows) into registers, for [`store_tile_regs`] into `qs` / `dos` one block later.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_qdo_regs<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    b: usize,
+    h: usize,
+    q0: usize,
+    seq: usize,
+    q_regs: &mut Array<Vector<F, N>>,
+    do_regs: &mut Array<Vector<F, N>>,
+    #[comptime] bq: usize,
+    #[comptime] d: usize,
+    #[comptime] nv: usize,
+    #[comptime] nthreads: usize,
+) {
+    load_tile_regs::<F, N>(
+        q,
+        (b * q.stride(0) + h * q.stride(1)) / nv,
+        q.stride(2) / nv,
+        q0,
+        seq,
+        q_regs,
+        bq,
+        d,
+        nv,
+        nthreads,
+    );
+    load_tile_regs::<F, N>(
+        d_o,
+        (b * d_o.stride(0) + h * d_o.stride(1)) / nv,
+        d_o.stride(2) / nv,
+        q0,
+        seq,
+        do_regs,
+        bq,
+        d,
+        nv,
+        nthreads,
+    );
+}
+
+/// One query block of the dK/dV kernels for one warp's 16 keys (first key `wk0`, row `wrow`
+/// of `ks`/`vs`; see the module doc): `S^T = K Q^T` and `dP^T = V dO^T`, then `P^T` and
+/// `dS^T` into `p` and `ds` (accumulator order), then `dV += P^T dO` and `dK += dS^T Q`. The
+/// block's first query is `q0`; its Q and dO rows start at row `qrow0` of `qs` and `dos`, its
+/// lse and delta at `lse_s[qrow0]`, `delta_s[qrow0]` (`qrow0` is 0, or the second half of a
+/// double buffer).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dkdv_block<F: Float, N: Size>(
+    ks: &SharedMemory<Vector<F, N>>,
+    vs: &SharedMemory<Vector<F, N>>,
+    qs: &SharedMemory<Vector<F, N>>,
+    dos: &SharedMemory<Vector<F, N>>,
+    lse_s: &SharedMemory<f32>,
+    delta_s: &SharedMemory<f32>,
+    qrow0: usize,
+    q0: usize,
+    wrow: usize,
+    wk0: usize,
+    lane: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    scale: f32,
+    s_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    dp_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    p: &mut Array<f32>,
+    ds: &mut Array<f32>,
+    dk_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    dv_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] q_tiles: usize,
+    #[comptime] d_tiles: usize,
+    #[comptime] k_steps: usize,
+    #[comptime] ldt: usize,
+    #[comptime] nv: usize,
+) {
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys: rows are keys, columns
+    // queries, in the accumulator layout.
+    mma_abt_strip::<F, N>(
+        ks, wrow, qs, qrow0, s_acc, lane, 1usize, q_tiles, k_steps, ldt, nv,
+    );
+    mma_abt_strip::<F, N>(
+        vs, wrow, dos, qrow0, dp_acc, lane, 1usize, q_tiles, k_steps, ldt, nv,
+    );
+    // Only blocks where some key follows some query need the causal mask.
+    let masked = wk0 + 15 > q0;
+    let key_lo = wk0 + r_lo;
+    let key_hi = wk0 + r_hi;
+    #[unroll]
+    for nt in 0..q_tiles {
+        let s_frag = s_acc.index(nt);
+        let dp_frag = dp_acc.index(nt);
+        #[unroll]
+        for e in 0..2usize {
+            let ql = 8 * nt + c_lo + e;
+            let qi = q0 + ql;
+            let lse_q = lse_s[qrow0 + ql];
+            let delta_q = delta_s[qrow0 + ql];
+            #[unroll]
+            for hh2 in 0..2usize {
+                let mut key = key_lo;
+                if hh2 == 1 {
+                    key = key_hi;
+                }
+                let s_pair = s_frag[hh2];
+                let dp_pair = dp_frag[hh2];
+                let mut pe = (s_pair[e] * scale - lse_q).exp();
+                if masked && key > qi {
+                    pe = f32::new(0.0);
+                }
+                let idx = comptime!((nt * 2 + hh2) * 2 + e);
+                p[idx] = pe;
+                ds[idx] = pe * (dp_pair[e] - delta_q);
+            }
+        }
+    }
+    // dV += P^T dO and dK += dS^T Q: the accumulators are the A operands.
+    mma_pv_strip::<F, N>(
+        p, dos, qrow0, dv_acc, lane, 1usize, q_tiles, d_tiles, ldt, nv,
+    );
+    mma_pv_strip::<F, N>(
+        ds, qs, qrow0, dk_acc, lane, 1usize, q_tiles, d_tiles, ldt, nv,
+    );
+}
+
+/// Writes one warp's dK (times `scale`) and dV rows for keys `wk0 ..` (those before `seq`):
+/// each lane its two columns per d-tile of its two key rows.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_dkdv<F: Float>(
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    dk_acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    dv_acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    b: usize,
+    hk: usize,
+    wk0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    seq: usize,
+    scale: f32,
+    #[comptime] d_tiles: usize,
+) {
+    let dk_base = b * dk.stride(0) + hk * dk.stride(1);
+    let dv_base = b * dv.stride(0) + hk * dv.stride(1);
+    #[unroll]
+    for hh2 in 0..2usize {
+        let mut r = r_lo;
+        if hh2 == 1 {
+            r = r_hi;
+        }
+        let key = wk0 + r;
+        if key < seq {
+            let kr = dk_base + key * dk.stride(2) + c_lo;
+            let vr = dv_base + key * dv.stride(2) + c_lo;
+            #[unroll]
+            for dt in 0..d_tiles {
+                let kp = dk_acc.index(dt)[hh2];
+                let vp = dv_acc.index(dt)[hh2];
+                dk[kr + 8 * dt] = F::cast_from(kp[0] * scale);
+                dk[kr + 8 * dt + 1] = F::cast_from(kp[1] * scale);
+                dv[vr + 8 * dt] = F::cast_from(vp[0]);
+                dv[vr + 8 * dt + 1] = F::cast_from(vp[1]);
+            }
+        }
+    }
+}
+
+/// `t[b, h, row]` for this lane's two accumulator rows `row0 + r_lo`, `row0 + r_hi` (0 past
+/// the end: with zero Q and dO there, `dS = exp(0) * (0 - 0) = 0`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn lane_rows_f32(
+    t: &Tensor<f32>,
+    b: usize,
+    h: usize,
+    row0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    seq: usize,
+) -> Array<f32> {
+    let mut out = Array::<f32>::new(2usize);
+    #[unroll]
+    for hh in 0..2usize {
+        let mut r = r_lo;
+        if hh == 1 {
+            r = r_hi;
+        }
+        let row = row0 + r;
+        let mut val = f32::new(0.0);
+        if row < seq {
+            val = t[b * t.stride(0) + h * t.stride(1) + row * t.stride(2)];
+        }
+        out[hh] = val;
+    }
+    out
+}
+
+/// One key block of the dQ kernels for one warp's 16 query rows (first row `row0`, row `wrow`
+/// of `qs`/`dos`): `S = Q K^T` and `dP = dO V^T`, `dS = P (dP - delta)` in registers
+/// (`lse_r`, `delta_r`: this lane's two rows), then `dQ += dS K` with dS straight from the
+/// accumulators as the A operand and K through transposed loads, as V in the forward. The
+/// block's first key is `k0`; its K and V rows start at row `krow0` of `ks` and `vs`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dq_block<F: Float, N: Size>(
+    qs: &SharedMemory<Vector<F, N>>,
+    dos: &SharedMemory<Vector<F, N>>,
+    ks: &SharedMemory<Vector<F, N>>,
+    vs: &SharedMemory<Vector<F, N>>,
+    krow0: usize,
+    k0: usize,
+    wrow: usize,
+    row0: usize,
+    lane: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    lse_r: &Array<f32>,
+    delta_r: &Array<f32>,
+    scale: f32,
+    s_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    dp_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    ds: &mut Array<f32>,
+    dq_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] n_tiles: usize,
+    #[comptime] d_tiles: usize,
+    #[comptime] k_steps: usize,
+    #[comptime] ldt: usize,
+    #[comptime] nv: usize,
+) {
+    mma_abt_strip::<F, N>(
+        qs, wrow, ks, krow0, s_acc, lane, 1usize, n_tiles, k_steps, ldt, nv,
+    );
+    mma_abt_strip::<F, N>(
+        dos, wrow, vs, krow0, dp_acc, lane, 1usize, n_tiles, k_steps, ldt, nv,
+    );
+    // Only blocks that reach past this warp's first row need the causal mask.
+    let masked = k0 + comptime!(8 * n_tiles) > row0 + 1;
+    #[unroll]
+    for hh in 0..2usize {
+        let mut r = r_lo;
+        if hh == 1 {
+            r = r_hi;
+        }
+        let row = row0 + r;
+        let lse_v = lse_r[hh];
+        let delta_v = delta_r[hh];
+        #[unroll]
+        for nt in 0..n_tiles {
+            let s_pair = s_acc.index(nt)[hh];
+            let dp_pair = dp_acc.index(nt)[hh];
+            #[unroll]
+            for e in 0..2usize {
+                let mut pe = (s_pair[e] * scale - lse_v).exp();
+                if masked {
+                    let key = k0 + 8 * nt + c_lo + e;
+                    if key > row {
+                        pe = f32::new(0.0);
+                    }
+                }
+                ds[comptime!((nt * 2 + hh) * 2 + e)] = pe * (dp_pair[e] - delta_v);
+            }
+        }
+    }
+    mma_pv_strip::<F, N>(
+        ds, ks, krow0, dq_acc, lane, 1usize, n_tiles, d_tiles, ldt, nv,
+    );
+}
+
+/// Writes one warp's dQ rows (`row0 + r_lo`, `row0 + r_hi`, those before `seq`) times
+/// `scale` from the accumulators.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_dq<F: Float>(
+    dq_out: &mut Tensor<F>,
+    dq_acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    b: usize,
+    h: usize,
+    row0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    seq: usize,
+    scale: f32,
+    #[comptime] d_tiles: usize,
+) {
+    let dq_base = b * dq_out.stride(0) + h * dq_out.stride(1);
+    #[unroll]
+    for hh in 0..2usize {
+        let mut r = r_lo;
+        if hh == 1 {
+            r = r_hi;
+        }
+        let row = row0 + r;
+        if row < seq {
+            let rb = dq_base + row * dq_out.stride(2) + c_lo;
+            #[unroll]
+            for dt in 0..d_tiles {
+                let pair = dq_acc.index(dt)[hh];
+                dq_out[rb + 8 * dt] = F::cast_from(pair[0] * scale);
+                dq_out[rb + 8 * dt + 1] = F::cast_from(pair[1] * scale);
+            }
+        }
+    }
+}
+
 /// dK and dV (and with `fused`, dQ through f32 atomics), manual MMA. Cube = (kv head, key
 /// block, batch) with `32 * warps` threads; warp `w` owns keys `16 w .. 16 w + 16` of the block.
 /// Loops over the query heads of the GQA group and the query blocks of `bq` rows from the
-/// causal start; see the module doc.
+/// causal start; see the module doc. With `prefetch` ([`MmaBwdPipe::Prefetch`]) the next
+/// block's Q, dO, lse and delta are loaded into registers while the current block is in use.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
-#[allow(clippy::too_many_arguments)]
+// `if comptime!(..) { if runtime {..} }` stays nested: the outer branch is resolved at
+// expansion, the inner one is emitted.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn flash_bwd_dkdv_mma<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
@@ -929,6 +1480,7 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
     #[comptime] warps: usize,
     #[comptime] bq: usize,
     #[comptime] fused: bool,
+    #[comptime] prefetch: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let bk = comptime!(16 * warps);
@@ -945,6 +1497,8 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
     let wpm = comptime!(warps / (bq / 16));
     let cw = comptime!(d / wpm);
     let dss_len = comptime!(if fused { bk * (bq + 8) / 2 } else { 4 });
+    // Registers per thread for one prefetched Q or dO block (1 when not prefetching).
+    let pf_regs = comptime!(if prefetch { bq * d / nv / nthreads } else { 1 });
 
     let seq = seq_len as usize;
     let hk = CUBE_POS_X as usize;
@@ -1021,105 +1575,114 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
     let n_qb = (seq + bq - 1) / bq;
     // Queries before k0 see none of this block's keys (bk is a multiple of bq).
     let qb_start = k0 / bq;
+    let h_first = hk * grp;
+
+    // The prefetched block: Q and dO rows, and (threads t < bq) lse and delta of query t.
+    let mut q_regs = Array::<Vector<F, N>>::new(pf_regs);
+    let mut do_regs = Array::<Vector<F, N>>::new(pf_regs);
+    let mut stats = Vector::<f32, Const<2>>::empty();
+    if comptime!(prefetch) {
+        let q0 = qb_start * bq;
+        load_qdo_regs::<F, N>(
+            q,
+            d_o,
+            b,
+            h_first,
+            q0,
+            seq,
+            &mut q_regs,
+            &mut do_regs,
+            bq,
+            d,
+            nv,
+            nthreads,
+        );
+        if t < bq {
+            stats = bwd_row_stats(lse, delta, b, h_first, q0 + t, seq);
+        }
+    }
+
     for hh in 0..grp {
-        let h = hk * grp + hh;
+        let h = h_first + hh;
         let q_base = (b * q.stride(0) + h * q.stride(1)) / nv;
         let do_base = (b * d_o.stride(0) + h * d_o.stride(1)) / nv;
-        let lse_base = b * lse.stride(0) + h * lse.stride(1);
-        let delta_base = b * delta.stride(0) + h * delta.stride(1);
         for qb in qb_start..n_qb {
             let q0 = qb * bq;
             sync_cube();
-            stage_tile::<F, N>(q, q_base, q_rs, q0, seq, &mut qs, bq, d, ldt, nv, nthreads);
-            stage_tile::<F, N>(
-                d_o, do_base, do_rs, q0, seq, &mut dos, bq, d, ldt, nv, nthreads,
-            );
-            if t < bq {
-                let qi = q0 + t;
-                // Queries past the end get lse = 1e30, so P = exp(s - 1e30) = 0 there.
-                let mut lv = f32::new(1.0e30);
-                let mut dl = f32::new(0.0);
-                if qi < seq {
-                    lv = lse[lse_base + qi * lse.stride(2)];
-                    dl = delta[delta_base + qi * delta.stride(2)];
+            if comptime!(prefetch) {
+                store_tile_regs::<F, N>(&q_regs, &mut qs, bq, d, ldt, nv, nthreads);
+                store_tile_regs::<F, N>(&do_regs, &mut dos, bq, d, ldt, nv, nthreads);
+            } else {
+                stage_tile::<F, N>(q, q_base, q_rs, q0, seq, &mut qs, bq, d, ldt, nv, nthreads);
+                stage_tile::<F, N>(
+                    d_o, do_base, do_rs, q0, seq, &mut dos, bq, d, ldt, nv, nthreads,
+                );
+                if t < bq {
+                    stats = bwd_row_stats(lse, delta, b, h, q0 + t, seq);
                 }
-                lse_s[t] = lv;
-                delta_s[t] = dl;
+            }
+            if t < bq {
+                lse_s[t] = stats[0];
+                delta_s[t] = stats[1];
             }
             sync_cube();
+            if comptime!(prefetch) {
+                // The next block: this head's next query block, else the next head's first.
+                let mut nq0 = q0 + bq;
+                let mut nh = h;
+                if qb + 1 == n_qb {
+                    nq0 = qb_start * bq;
+                    nh = h + 1;
+                }
+                if nh < h_first + grp {
+                    load_qdo_regs::<F, N>(
+                        q,
+                        d_o,
+                        b,
+                        nh,
+                        nq0,
+                        seq,
+                        &mut q_regs,
+                        &mut do_regs,
+                        bq,
+                        d,
+                        nv,
+                        nthreads,
+                    );
+                    if t < bq {
+                        stats = bwd_row_stats(lse, delta, b, nh, nq0 + t, seq);
+                    }
+                }
+            }
 
             // Warps whose keys all follow the block's last query see none of it
             // (warp-uniform).
             if wk0 < q0 + bq {
-                // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys: rows are keys,
-                // columns queries, in the accumulator layout.
-                mma_abt_strip::<F, N>(
-                    &ks, wrow, &qs, &mut s_acc, lane, 1usize, q_tiles, k_steps, ldt, nv,
-                );
-                mma_abt_strip::<F, N>(
+                dkdv_block::<F, N>(
+                    &ks,
                     &vs,
-                    wrow,
-                    &dos,
-                    &mut dp_acc,
-                    lane,
-                    1usize,
-                    q_tiles,
-                    k_steps,
-                    ldt,
-                    nv,
-                );
-                // Only blocks where some key follows some query need the causal mask.
-                let masked = wk0 + 15 > q0;
-                let key_lo = wk0 + r_lo;
-                let key_hi = wk0 + r_hi;
-                #[unroll]
-                for nt in 0..q_tiles {
-                    let s_frag = s_acc.index(nt);
-                    let dp_frag = dp_acc.index(nt);
-                    #[unroll]
-                    for e in 0..2usize {
-                        let ql = 8 * nt + c_lo + e;
-                        let qi = q0 + ql;
-                        let lse_q = lse_s[ql];
-                        let delta_q = delta_s[ql];
-                        #[unroll]
-                        for hh2 in 0..2usize {
-                            let mut key = key_lo;
-                            if hh2 == 1 {
-                                key = key_hi;
-                            }
-                            let s_pair = s_frag[hh2];
-                            let dp_pair = dp_frag[hh2];
-                            let mut pe = (s_pair[e] * scale - lse_q).exp();
-                            if masked && key > qi {
-                                pe = f32::new(0.0);
-                            }
-                            let idx = comptime!((nt * 2 + hh2) * 2 + e);
-                            p[idx] = pe;
-                            ds[idx] = pe * (dp_pair[e] - delta_q);
-                        }
-                    }
-                }
-                // dV += P^T dO and dK += dS^T Q: the accumulators are the A operands.
-                mma_pv_strip::<F, N>(
-                    &p,
-                    &dos,
-                    &mut dv_acc,
-                    lane,
-                    1usize,
-                    q_tiles,
-                    d_tiles,
-                    ldt,
-                    nv,
-                );
-                mma_pv_strip::<F, N>(
-                    &ds,
                     &qs,
-                    &mut dk_acc,
+                    &dos,
+                    &lse_s,
+                    &delta_s,
+                    0usize,
+                    q0,
+                    wrow,
+                    wk0,
                     lane,
-                    1usize,
+                    r_lo,
+                    r_hi,
+                    c_lo,
+                    scale,
+                    &mut s_acc,
+                    &mut dp_acc,
+                    &mut p,
+                    &mut ds,
+                    &mut dk_acc,
+                    &mut dv_acc,
                     q_tiles,
                     d_tiles,
+                    k_steps,
                     ldt,
                     nv,
                 );
@@ -1175,41 +1738,206 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
         }
     }
 
-    // Each lane writes its two columns per d-tile of its two key rows.
-    let dk_base = b * dk.stride(0) + hk * dk.stride(1);
-    let dv_base = b * dv.stride(0) + hk * dv.stride(1);
-    #[unroll]
-    for hh2 in 0..2usize {
-        let mut r = r_lo;
-        if hh2 == 1 {
-            r = r_hi;
+    write_dkdv::<F>(
+        dk, dv, &dk_acc, &dv_acc, b, hk, wk0, r_lo, r_hi, c_lo, seq, scale, d_tiles,
+    );
+}
+
+/// dK and dV with `cp.async` double buffering ([`MmaBwdPipe::Async`], [`MmaDq::Split`]
+/// only). The work of [`flash_bwd_dkdv_mma`] without `fused`, but the query blocks (over the
+/// GQA group's heads, flattened into one loop) go through two halves of the Q, dO, lse and
+/// delta tiles: after the barrier that makes block `i` visible (and that every warp reaches
+/// only once done with block `i - 1`), the copies of block `i + 1` into the other half are
+/// issued, then block `i` is computed. One cube barrier per block, no staging registers.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    scale: f32,
+    seq_len: u32,
+    group: u32,
+    #[comptime] d: usize,
+    #[comptime] nv: usize,
+    #[comptime] warps: usize,
+    #[comptime] bq: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bk = comptime!(16 * warps);
+    let nthreads = comptime!(32 * warps);
+    let ldt = comptime!(d + 8);
+    let q_tiles = comptime!(bq / 8);
+    let d_tiles = comptime!(d / 8);
+    let k_steps = comptime!(d / 16);
+
+    let seq = seq_len as usize;
+    let hk = CUBE_POS_X as usize;
+    let kb = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let grp = group as usize;
+    let warp = UNIT_POS as usize / 32;
+    let lane = UNIT_POS_PLANE as usize;
+    let k0 = kb * bk;
+    let wrow = warp * 16;
+    let wk0 = k0 + wrow;
+
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
+    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
+    let r_lo = r_lo as usize;
+    let r_hi = r_hi as usize;
+    let c_lo = c_lo as usize;
+
+    let mut ks = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bk * ldt / nv), 128usize);
+    let mut vs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bk * ldt / nv), 128usize);
+    // Two halves of bq rows each.
+    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * bq * ldt / nv), 128usize);
+    let mut dos = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * bq * ldt / nv), 128usize);
+    let mut lse_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+    let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+
+    // K and V stay for the whole cube: a synchronous copy, ordered before the first block's
+    // reads by the barrier below.
+    stage_tile::<F, N>(
+        k,
+        (b * k.stride(0) + hk * k.stride(1)) / nv,
+        k.stride(2) / nv,
+        k0,
+        seq,
+        &mut ks,
+        bk,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    stage_tile::<F, N>(
+        v,
+        (b * v.stride(0) + hk * v.stride(1)) / nv,
+        v.stride(2) / nv,
+        k0,
+        seq,
+        &mut vs,
+        bk,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    // Every thread arrives once per block (and its cp.async completions once more, through
+    // commit_copy_async), so one phase of the barrier is one block.
+    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+
+    let mut dk_acc = zero_frags(d_tiles);
+    let mut dv_acc = zero_frags(d_tiles);
+    let mut s_acc = zero_frags(q_tiles);
+    let mut dp_acc = zero_frags(q_tiles);
+    let mut p = Array::<f32>::new(comptime!(q_tiles * 4));
+    let mut ds = Array::<f32>::new(comptime!(q_tiles * 4));
+
+    let n_qb = (seq + bq - 1) / bq;
+    let qb_start = k0 / bq;
+    let n_blk = n_qb - qb_start;
+    let n_it = grp * n_blk;
+    let h_first = hk * grp;
+    copy_qdo_async::<F, N>(
+        q,
+        d_o,
+        lse,
+        delta,
+        &mut qs,
+        &mut dos,
+        &mut lse_s,
+        &mut delta_s,
+        b,
+        h_first,
+        qb_start * bq,
+        seq,
+        0usize,
+        bq,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    for it in 0..n_it {
+        let q0 = (qb_start + it % n_blk) * bq;
+        let qrow0 = (it % 2) * bq;
+        bar.commit_copy_async();
+        bar.arrive_and_wait();
+        let nx = it + 1;
+        if nx < n_it {
+            copy_qdo_async::<F, N>(
+                q,
+                d_o,
+                lse,
+                delta,
+                &mut qs,
+                &mut dos,
+                &mut lse_s,
+                &mut delta_s,
+                b,
+                h_first + nx / n_blk,
+                (qb_start + nx % n_blk) * bq,
+                seq,
+                bq - qrow0,
+                bq,
+                d,
+                ldt,
+                nv,
+                nthreads,
+            );
         }
-        let key = wk0 + r;
-        if key < seq {
-            let kr = dk_base + key * dk.stride(2) + c_lo;
-            let vr = dv_base + key * dv.stride(2) + c_lo;
-            #[unroll]
-            for dt in 0..d_tiles {
-                let kp = dk_acc.index(dt)[hh2];
-                let vp = dv_acc.index(dt)[hh2];
-                dk[kr + 8 * dt] = F::cast_from(kp[0] * scale);
-                dk[kr + 8 * dt + 1] = F::cast_from(kp[1] * scale);
-                dv[vr + 8 * dt] = F::cast_from(vp[0]);
-                dv[vr + 8 * dt + 1] = F::cast_from(vp[1]);
-            }
+        if wk0 < q0 + bq {
+            dkdv_block::<F, N>(
+                &ks,
+                &vs,
+                &qs,
+                &dos,
+                &lse_s,
+                &delta_s,
+                qrow0,
+                q0,
+                wrow,
+                wk0,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                scale,
+                &mut s_acc,
+                &mut dp_acc,
+                &mut p,
+                &mut ds,
+                &mut dk_acc,
+                &mut dv_acc,
+                q_tiles,
+                d_tiles,
+                k_steps,
+                ldt,
+                nv,
+            );
         }
     }
+
+    write_dkdv::<F>(
+        dk, dv, &dk_acc, &dv_acc, b, hk, wk0, r_lo, r_hi, c_lo, seq, scale, d_tiles,
+    );
 }
 
 /// dQ, manual MMA (the [`MmaDq::Split`] scheme). Cube = (query head, query block from the
 /// last, batch); `32 * warps` threads, warp `w` owns query rows `16 w .. 16 w + 16`. The
 /// forward's structure with `dS = P (dP - delta)` in place of the softmax: S and dP in
-/// registers, dS used as the A operand of `dS K`; the next K/V block is loaded into registers
-/// while the current one is in use.
+/// registers, dS used as the A operand of `dS K` ([`dq_block`]); the next K/V block is loaded
+/// into registers while the current one is in use.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
-// `if comptime!(..) { if runtime {..} }` stays nested: the outer branch is resolved at
-// expansion, the inner one is emitted.
-#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+#[allow(clippy::too_many_arguments)]
 fn flash_bwd_dq_mma<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
@@ -1295,26 +2023,8 @@ fn flash_bwd_dq_mma<F: Float, N: Size>(
         nthreads,
     );
 
-    // lse and delta of this lane's two rows (rows past the end: 0 and 0, with zero Q and dO
-    // there dS = exp(0) * (0 - 0) = 0).
-    let mut lse_r = Array::<f32>::new(2usize);
-    let mut delta_r = Array::<f32>::new(2usize);
-    #[unroll]
-    for hh in 0..2usize {
-        let mut r = r_lo;
-        if hh == 1 {
-            r = r_hi;
-        }
-        let row = row0 + r;
-        let mut lv = f32::new(0.0);
-        let mut dl = f32::new(0.0);
-        if row < seq {
-            lv = lse[b * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2)];
-            dl = delta[b * delta.stride(0) + h * delta.stride(1) + row * delta.stride(2)];
-        }
-        lse_r[hh] = lv;
-        delta_r[hh] = dl;
-    }
+    let lse_r = lane_rows_f32(lse, b, h, row0, r_lo, r_hi, seq);
+    let delta_r = lane_rows_f32(delta, b, h, row0, r_lo, r_hi, seq);
 
     let mut dq_acc = zero_frags(d_tiles);
     let mut s_acc = zero_frags(n_tiles);
@@ -1367,83 +2077,337 @@ fn flash_bwd_dq_mma<F: Float, N: Size>(
 
         // Warps whose rows all precede the block see none of its keys (warp-uniform).
         if k0 < row0 + 16 {
-            mma_abt_strip::<F, N>(
-                &qs, wrow, &ks, &mut s_acc, lane, 1usize, n_tiles, k_steps, ldt, nv,
-            );
-            mma_abt_strip::<F, N>(
+            dq_block::<F, N>(
+                &qs,
                 &dos,
-                wrow,
-                &vs,
-                &mut dp_acc,
-                lane,
-                1usize,
-                n_tiles,
-                k_steps,
-                ldt,
-                nv,
-            );
-            // Only blocks that reach past this warp's first row need the causal mask.
-            let masked = k0 + bk > row0 + 1;
-            #[unroll]
-            for hh in 0..2usize {
-                let mut r = r_lo;
-                if hh == 1 {
-                    r = r_hi;
-                }
-                let row = row0 + r;
-                let lse_v = lse_r[hh];
-                let delta_v = delta_r[hh];
-                #[unroll]
-                for nt in 0..n_tiles {
-                    let s_pair = s_acc.index(nt)[hh];
-                    let dp_pair = dp_acc.index(nt)[hh];
-                    #[unroll]
-                    for e in 0..2usize {
-                        let mut pe = (s_pair[e] * scale - lse_v).exp();
-                        if masked {
-                            let key = k0 + 8 * nt + c_lo + e;
-                            if key > row {
-                                pe = f32::new(0.0);
-                            }
-                        }
-                        ds[comptime!((nt * 2 + hh) * 2 + e)] = pe * (dp_pair[e] - delta_v);
-                    }
-                }
-            }
-            // dQ += dS K: dS is the A operand straight from the accumulators, K (stored
-            // [key][d]) the B operand through transposed loads, as V in the forward.
-            mma_pv_strip::<F, N>(
-                &ds,
                 &ks,
-                &mut dq_acc,
+                &vs,
+                0usize,
+                k0,
+                wrow,
+                row0,
                 lane,
-                1usize,
+                r_lo,
+                r_hi,
+                c_lo,
+                &lse_r,
+                &delta_r,
+                scale,
+                &mut s_acc,
+                &mut dp_acc,
+                &mut ds,
+                &mut dq_acc,
                 n_tiles,
                 d_tiles,
+                k_steps,
                 ldt,
                 nv,
             );
         }
     }
 
-    let dq_base = b * dq_out.stride(0) + h * dq_out.stride(1);
-    #[unroll]
-    for hh in 0..2usize {
-        let mut r = r_lo;
-        if hh == 1 {
-            r = r_hi;
+    write_dq::<F>(
+        dq_out, &dq_acc, b, h, row0, r_lo, r_hi, c_lo, seq, scale, d_tiles,
+    );
+}
+
+/// dQ with `cp.async` double buffering ([`MmaBwdPipe::Async`]): [`flash_bwd_dq_mma`]'s work,
+/// but Q and dO and the K/V blocks are copied by `cp.async` (no staging registers, which the
+/// register prefetch spends 32 of per lane at hd 128), K/V into two halves of their tiles:
+/// after the barrier that makes block `i` visible (and that every warp reaches only once done
+/// with block `i - 1`), the copy of block `i + 1` into the other half is issued, then block
+/// `i` is computed. One cube barrier per block instead of two.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_bwd_dq_mma_cp<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dq_out: &mut Tensor<F>,
+    scale: f32,
+    seq_len: u32,
+    group: u32,
+    n_blocks: u32,
+    #[comptime] d: usize,
+    #[comptime] nv: usize,
+    #[comptime] warps: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bq = comptime!(16 * warps);
+    let bk = comptime!(MMA_KEYS);
+    let nthreads = comptime!(32 * warps);
+    let ldt = comptime!(d + 8);
+    let n_tiles = comptime!(MMA_KEYS / 8);
+    let d_tiles = comptime!(d / 8);
+    let k_steps = comptime!(d / 16);
+
+    let seq = seq_len as usize;
+    let h = CUBE_POS_X as usize;
+    let qb = n_blocks as usize - 1 - CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let hk = h / group as usize;
+    let warp = UNIT_POS as usize / 32;
+    let lane = UNIT_POS_PLANE as usize;
+    let q0 = qb * bq;
+    let wrow = warp * 16;
+    let row0 = q0 + wrow;
+
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
+    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
+    let r_lo = r_lo as usize;
+    let r_hi = r_hi as usize;
+    let c_lo = c_lo as usize;
+
+    let k_base = (b * k.stride(0) + hk * k.stride(1)) / nv;
+    let v_base = (b * v.stride(0) + hk * v.stride(1)) / nv;
+    let k_rs = k.stride(2) / nv;
+    let v_rs = v.stride(2) / nv;
+
+    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * ldt / nv), 128usize);
+    let mut dos = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * ldt / nv), 128usize);
+    // Two halves of MMA_KEYS rows each.
+    let mut ks =
+        SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * MMA_KEYS * ldt / nv), 128usize);
+    let mut vs =
+        SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * MMA_KEYS * ldt / nv), 128usize);
+
+    // One phase per key block (see flash_bwd_dkdv_mma_cp); created before any copy is issued.
+    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    // Q, dO and the first K/V block go together: the first barrier covers all four.
+    copy_tile_async::<F, N>(
+        q,
+        (b * q.stride(0) + h * q.stride(1)) / nv,
+        q.stride(2) / nv,
+        q0,
+        seq,
+        &mut qs,
+        0usize,
+        bq,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    copy_tile_async::<F, N>(
+        d_o,
+        (b * d_o.stride(0) + h * d_o.stride(1)) / nv,
+        d_o.stride(2) / nv,
+        q0,
+        seq,
+        &mut dos,
+        0usize,
+        bq,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    copy_tile_async::<F, N>(
+        k, k_base, k_rs, 0usize, seq, &mut ks, 0usize, bk, d, ldt, nv, nthreads,
+    );
+    copy_tile_async::<F, N>(
+        v, v_base, v_rs, 0usize, seq, &mut vs, 0usize, bk, d, ldt, nv, nthreads,
+    );
+
+    let lse_r = lane_rows_f32(lse, b, h, row0, r_lo, r_hi, seq);
+    let delta_r = lane_rows_f32(delta, b, h, row0, r_lo, r_hi, seq);
+
+    let mut dq_acc = zero_frags(d_tiles);
+    let mut s_acc = zero_frags(n_tiles);
+    let mut dp_acc = zero_frags(n_tiles);
+    let mut ds = Array::<f32>::new(comptime!(MMA_KEYS / 2));
+
+    let mut q_end = q0 + bq;
+    if seq < q_end {
+        q_end = seq;
+    }
+    let n_kb = (q_end + bk - 1) / bk;
+
+    for kb in 0..n_kb {
+        let k0 = kb * bk;
+        let krow0 = (kb % 2) * bk;
+        bar.commit_copy_async();
+        bar.arrive_and_wait();
+        if kb + 1 < n_kb {
+            let nrow0 = bk - krow0;
+            copy_tile_async::<F, N>(
+                k,
+                k_base,
+                k_rs,
+                k0 + bk,
+                seq,
+                &mut ks,
+                nrow0,
+                bk,
+                d,
+                ldt,
+                nv,
+                nthreads,
+            );
+            copy_tile_async::<F, N>(
+                v,
+                v_base,
+                v_rs,
+                k0 + bk,
+                seq,
+                &mut vs,
+                nrow0,
+                bk,
+                d,
+                ldt,
+                nv,
+                nthreads,
+            );
         }
-        let row = row0 + r;
-        if row < seq {
-            let rb = dq_base + row * dq_out.stride(2) + c_lo;
+        if k0 < row0 + 16 {
+            dq_block::<F, N>(
+                &qs,
+                &dos,
+                &ks,
+                &vs,
+                krow0,
+                k0,
+                wrow,
+                row0,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                &lse_r,
+                &delta_r,
+                scale,
+                &mut s_acc,
+                &mut dp_acc,
+                &mut ds,
+                &mut dq_acc,
+                n_tiles,
+                d_tiles,
+                k_steps,
+                ldt,
+                nv,
+            );
+        }
+    }
+
+    write_dq::<F>(
+        dq_out, &dq_acc, b, h, row0, r_lo, r_hi, c_lo, seq, scale, d_tiles,
+    );
+}
+
+/// `delta = rowsum(dO * O)` in f32 with `tpr` adjacent lanes per row
+/// ([`MmaBwdTiling::wide_delta`]): each lane reads `d / nv / tpr` vectors of `nv` elements of
+/// O and dO (16-byte loads at `nv = 8`; a row's lanes read it contiguously, so a warp's loads
+/// coalesce, where one thread per row strides by a whole row), then the row's lanes add their
+/// partial sums with `plane_shuffle_xor`. Lanes past the last row take part in the shuffles
+/// with zeros.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn flash_delta_wide<F: Float, N: Size>(
+    o: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    delta: &mut Tensor<f32>,
+    seq_len: u32,
+    heads: u32,
+    total_rows: u32,
+    #[comptime] d: usize,
+    #[comptime] nv: usize,
+    #[comptime] tpr: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let per_lane = comptime!(d / nv / tpr);
+    let pos = ABSOLUTE_POS / tpr;
+    let sub = UNIT_POS as usize % tpr;
+    let in_range = pos < total_rows as usize;
+    let seq = seq_len as usize;
+    let i = pos % seq;
+    let bh = pos / seq;
+    let h = bh % heads as usize;
+    let b = bh / heads as usize;
+    let mut acc = f32::new(0.0);
+    if in_range {
+        let ob = (b * o.stride(0) + h * o.stride(1) + i * o.stride(2)) / nv;
+        let gb = (b * d_o.stride(0) + h * d_o.stride(1) + i * d_o.stride(2)) / nv;
+        #[unroll]
+        for j in 0..per_lane {
+            let c = j * tpr + sub;
+            let ov = o[ob + c];
+            let gv = d_o[gb + c];
             #[unroll]
-            for dt in 0..d_tiles {
-                let pair = dq_acc.index(dt)[hh];
-                dq_out[rb + 8 * dt] = F::cast_from(pair[0] * scale);
-                dq_out[rb + 8 * dt + 1] = F::cast_from(pair[1] * scale);
+            for e in 0..nv {
+                acc += f32::cast_from(ov[e]) * f32::cast_from(gv[e]);
             }
         }
     }
+    #[unroll]
+    for step in 0..comptime!(tpr.trailing_zeros() as usize) {
+        acc += plane_shuffle_xor(acc, comptime!(1u32 << step));
+    }
+    if in_range && sub == 0 {
+        delta[b * delta.stride(0) + h * delta.stride(1) + i * delta.stride(2)] = acc;
+    }
+}
+
+/// Threads per cube of [`flash_delta_wide`].
+const DELTA_WIDE_THREADS: usize = 256;
+
+/// Lanes per row of [`flash_delta_wide`]: 8 (two 16-byte vectors each at hd 128), fewer when a
+/// row has fewer vectors.
+const DELTA_WIDE_LANES: usize = 8;
+
+/// Launches [`flash_delta_wide`]: `delta [B, Hq, S]` (f32) `= rowsum(d_o * o)` for `o`, `d_o`
+/// of `shape` `[B, Hq, S, D]` (last dimension contiguous, as `flash.rs` prepares them).
+pub(super) fn launch_delta_wide<R: CubeRuntime>(
+    o: CubeTensor<R>,
+    d_o: &CubeTensor<R>,
+    delta: &CubeTensor<R>,
+    shape: [usize; 4],
+) {
+    let [batch, heads, seq, head_dim] = shape;
+    let nv = vector_width(&[&o, d_o]);
+    let vectors = head_dim / nv;
+    assert!(
+        vectors.is_power_of_two(),
+        "flash attention (Mma) delta: {head_dim} columns in vectors of {nv}"
+    );
+    let tpr = vectors.min(DELTA_WIDE_LANES);
+    let total_rows = batch * heads * seq;
+    assert!(
+        total_rows * tpr <= u32::MAX as usize,
+        "flash attention backward: too many rows ({total_rows})"
+    );
+    let client = o.client.clone();
+    let dtype = o.dtype;
+    // SAFETY: reads are guarded by `pos < total_rows` and stay within a row of `head_dim`
+    // elements (`per_lane * tpr * nv = head_dim`); the write by the same guard.
+    unsafe {
+        flash_delta_wide::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static((total_rows * tpr).div_ceil(DELTA_WIDE_THREADS) as u32, 1, 1),
+            CubeDim::new_1d(DELTA_WIDE_THREADS as u32),
+            nv,
+            o.into_tensor_arg(),
+            d_o.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            seq as u32,
+            heads as u32,
+            total_rows as u32,
+            head_dim,
+            nv,
+            tpr,
+            dtype.into(),
+        );
+    }
+}
+
+/// Whether the device runs the [`MmaBwdPipe::Async`] kernels: `cp.async` and cube-level
+/// barriers (CUDA sm_80 and later).
+pub fn mma_async_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+    let features = client.features();
+    features.copy_async && features.supports_type(OpaqueType::Barrier(BarrierLevel::Cube))
 }
 
 /// `dq = dq_acc * scale` rounded to `F`, element-wise over contiguous tensors of `len`
@@ -1490,6 +2454,21 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     let dtype = q.dtype;
     let nv = vector_width(&[&q, &k, &v, &d_o]);
     let fused = tiling.dq == MmaDq::Atomic;
+    // cp.async copies 4, 8 or 16 bytes: 2-byte elements need vectors of 2 or more (always the
+    // case for contiguous inputs); narrower ones fall back to the register prefetch.
+    let async_copy = tiling.pipe == MmaBwdPipe::Async && nv >= 2;
+    let prefetch =
+        tiling.pipe == MmaBwdPipe::Prefetch || (tiling.pipe == MmaBwdPipe::Async && nv < 2);
+    if async_copy {
+        assert!(
+            !fused,
+            "flash attention backward (Mma): the cp.async pipeline ({tiling}) needs MmaDq::Split"
+        );
+        assert!(
+            mma_async_supported(&client),
+            "flash attention backward (Mma): {tiling} needs cp.async and cube barriers (sm_80+)"
+        );
+    }
     let n_kblocks = seq.div_ceil(tiling.keys()) as u32;
     // The f32 dQ accumulator of the fused scheme; a 1-element placeholder otherwise (the
     // kernel's comptime `fused` removes every access to it).
@@ -1509,35 +2488,65 @@ pub(super) fn launch_backward<R: CubeRuntime>(
         )
     };
     let dim = CubeDim::new_1d(32 * tiling.warps as u32);
+    let count_kv = CubeCount::Static(heads_kv as u32, n_kblocks, batch as u32);
     // SAFETY: global reads are guarded by `seq` (rows past it are zero-filled in shared
     // memory), writes and atomics by `row < seq` / `key < seq`; shared indices stay inside the
     // comptime-sized tiles (ldmatrix rows are 16-byte aligned: pitches of d + 8 and inner + 8
-    // elements, columns multiples of 8).
-    unsafe {
-        flash_bwd_dkdv_mma::launch_unchecked::<R>(
-            &client,
-            CubeCount::Static(heads_kv as u32, n_kblocks, batch as u32),
-            dim,
-            nv,
-            q.clone().into_tensor_arg(),
-            k.clone().into_tensor_arg(),
-            v.clone().into_tensor_arg(),
-            d_o.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            delta.clone().into_tensor_arg(),
-            dk.clone().into_tensor_arg(),
-            dv.clone().into_tensor_arg(),
-            dq_acc.clone().into_tensor_arg(),
-            scale,
-            seq as u32,
-            group as u32,
-            head_dim,
-            nv,
-            tiling.warps,
-            tiling.inner,
-            fused,
-            dtype.into(),
-        );
+    // elements, columns multiples of 8). The cp.async copies are `2 * nv` bytes at
+    // `nv`-aligned global offsets (`vector_width`) and 16-byte aligned shared rows.
+    if async_copy {
+        unsafe {
+            flash_bwd_dkdv_mma_cp::launch_unchecked::<R>(
+                &client,
+                count_kv,
+                dim,
+                nv,
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                d_o.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                dk.clone().into_tensor_arg(),
+                dv.clone().into_tensor_arg(),
+                scale,
+                seq as u32,
+                group as u32,
+                head_dim,
+                nv,
+                tiling.warps,
+                tiling.inner,
+                dtype.into(),
+            );
+        }
+    } else {
+        unsafe {
+            flash_bwd_dkdv_mma::launch_unchecked::<R>(
+                &client,
+                count_kv,
+                dim,
+                nv,
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                d_o.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                dk.clone().into_tensor_arg(),
+                dv.clone().into_tensor_arg(),
+                dq_acc.clone().into_tensor_arg(),
+                scale,
+                seq as u32,
+                group as u32,
+                head_dim,
+                nv,
+                tiling.warps,
+                tiling.inner,
+                fused,
+                prefetch,
+                dtype.into(),
+            );
+        }
     }
     if fused {
         let len = batch * heads_q * seq * head_dim;
@@ -1560,29 +2569,54 @@ pub(super) fn launch_backward<R: CubeRuntime>(
         }
     } else {
         let n_qblocks = seq.div_ceil(16 * tiling.warps) as u32;
-        // SAFETY: as for the dK/dV kernel.
+        let count_q = CubeCount::Static(heads_q as u32, n_qblocks, batch as u32);
+        // SAFETY: as for the dK/dV kernels.
         unsafe {
-            flash_bwd_dq_mma::launch_unchecked::<R>(
-                &client,
-                CubeCount::Static(heads_q as u32, n_qblocks, batch as u32),
-                dim,
-                nv,
-                q.into_tensor_arg(),
-                k.into_tensor_arg(),
-                v.into_tensor_arg(),
-                d_o.into_tensor_arg(),
-                lse.into_tensor_arg(),
-                delta.into_tensor_arg(),
-                dq.clone().into_tensor_arg(),
-                scale,
-                seq as u32,
-                group as u32,
-                n_qblocks,
-                head_dim,
-                nv,
-                tiling.warps,
-                dtype.into(),
-            );
+            if async_copy {
+                flash_bwd_dq_mma_cp::launch_unchecked::<R>(
+                    &client,
+                    count_q,
+                    dim,
+                    nv,
+                    q.into_tensor_arg(),
+                    k.into_tensor_arg(),
+                    v.into_tensor_arg(),
+                    d_o.into_tensor_arg(),
+                    lse.into_tensor_arg(),
+                    delta.into_tensor_arg(),
+                    dq.clone().into_tensor_arg(),
+                    scale,
+                    seq as u32,
+                    group as u32,
+                    n_qblocks,
+                    head_dim,
+                    nv,
+                    tiling.warps,
+                    dtype.into(),
+                );
+            } else {
+                flash_bwd_dq_mma::launch_unchecked::<R>(
+                    &client,
+                    count_q,
+                    dim,
+                    nv,
+                    q.into_tensor_arg(),
+                    k.into_tensor_arg(),
+                    v.into_tensor_arg(),
+                    d_o.into_tensor_arg(),
+                    lse.into_tensor_arg(),
+                    delta.into_tensor_arg(),
+                    dq.clone().into_tensor_arg(),
+                    scale,
+                    seq as u32,
+                    group as u32,
+                    n_qblocks,
+                    head_dim,
+                    nv,
+                    tiling.warps,
+                    dtype.into(),
+                );
+            }
         }
     }
 }
@@ -1635,7 +2669,7 @@ fn mma_probe_kernel<F: Float, N: Size>(
 
     let mut s_acc = zero_frags(2usize);
     mma_abt_strip::<F, N>(
-        &as_, 0usize, &ks, &mut s_acc, lane, 1usize, 2usize, 1usize, ldt, 1usize,
+        &as_, 0usize, &ks, 0usize, &mut s_acc, lane, 1usize, 2usize, 1usize, ldt, 1usize,
     );
     let mut p = Array::<f32>::new(8usize);
     #[unroll]
@@ -1658,7 +2692,7 @@ fn mma_probe_kernel<F: Float, N: Size>(
     }
     let mut o_acc = zero_frags(2usize);
     mma_pv_strip::<F, N>(
-        &p, &vs, &mut o_acc, lane, 1usize, 2usize, 2usize, ldt, 1usize,
+        &p, &vs, 0usize, &mut o_acc, lane, 1usize, 2usize, 2usize, ldt, 1usize,
     );
     #[unroll]
     for dt in 0..2usize {
