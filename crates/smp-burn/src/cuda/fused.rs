@@ -14,7 +14,9 @@
 //!   warps' partials through shared memory in a fixed order). The forward saves `x` and the
 //!   per-row inverse rms (f32). The backward's cubes each own a block of rows: they write `dx`
 //!   and one row of per-block `dweight` partial sums (f32), which a second kernel adds up per
-//!   column in a fixed order. No atomics: results are bitwise reproducible.
+//!   column in a fixed order. No atomics: results are bitwise reproducible. The default
+//!   (version-2) backward pipelines its row loop (the next row's loads are issued before the
+//!   current row is reduced and stored) and sizes the grid to about one wave of cubes.
 //! - SwiGLU: `silu(gate) * up` elementwise; the backward writes `dgate` and `dup` in one pass.
 //!   All arithmetic in f32.
 //! - RoPE (Hugging Face's `rotate_half` layout): each thread rotates a vector of pairs
@@ -22,6 +24,10 @@
 //!   views); only its last dimension must be contiguous, otherwise it is copied first. The
 //!   output is contiguous. The backward is the transposed rotation, written for general tables
 //!   (with Hugging Face's tables, whose two halves are equal, it is the rotation by `-sin`).
+//!   The default (version-2) kernel reads the tables in 16-byte vectors once per thread and
+//!   applies them to four heads at the same position.
+//! - [`legacy_kernels`] (`SMP_BURN_FUSED_LEGACY=1`) selects the previous RMSNorm-backward and
+//!   RoPE kernels, for A/B runs.
 //!
 //! Semantics follow the reference ops, with one rounding fewer where the reference rounds an
 //! intermediate to bf16 (for example `silu(gate)` before the product): results agree with the
