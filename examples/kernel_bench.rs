@@ -3,7 +3,8 @@
 //! `kernel_bench check`: every fast op against the reference op on fresh random inputs (forward
 //! and gradients), odd shapes included; exits non-zero on a miss.
 //! `kernel_bench attention`: only the attention part of `check`.
-//! `kernel_bench adamw`: the fused AdamW check, then its bandwidth against the Burn-ops update.
+//! `kernel_bench adamw`: the fused AdamW and gradient-norm (weighted sum of squares) checks, then
+//! their bandwidth against the Burn-ops versions.
 //! `kernel_bench gemm`: linear-layer GEMM TFLOP/s at the Llama 1B and 7B shapes, three ways in
 //! one process: our cuBLAS linear on Burn tensors (ordering included), Burn's stock matmul, and
 //! cuBLAS called directly on raw buffers (the goal: ours at least 95 % of direct).
@@ -17,7 +18,7 @@ use cudarc::cublas::{CudaBlas, result as cbr, sys as cbs};
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use half::bf16;
 use smp_burn::cuda::CudaCube;
-use smp_burn::cuda::adamw::{AdamWStep, adamw_step};
+use smp_burn::cuda::adamw::{AdamWStep, adamw_step, weighted_sq_sum};
 use smp_burn::fast::{FastPaths, set_fast_paths};
 use smp_burn::ops;
 
@@ -329,6 +330,75 @@ fn bench_adamw() {
     );
 }
 
+/// The weighted sum of squares against an f64 host sum: odd lengths, several runs with their
+/// own weights, elements outside every run, and a length over one cube's grid-stride share.
+fn check_sq_sum() -> bool {
+    let dev = device();
+    let mut ok = true;
+    for (len, runs) in [
+        (1usize, vec![(0..1, 1.0f32)]),
+        (1000, vec![(0..600, 1.0), (600..1000, 0.25)]),
+        (4097, vec![(7..4000, 1.0), (4000..4097, 0.5)]),
+        (
+            3_000_001,
+            vec![(0..2_999_000, 1.0), (2_999_000..3_000_001, 0.5)],
+        ),
+        (10, vec![]),
+    ] {
+        let x = Tensor::<B, 1>::random([len], Distribution::Normal(0.0, 1.0), &dev);
+        let hx = host(x.clone());
+        let want: f64 = runs
+            .iter()
+            .map(|(r, w)| {
+                *w as f64
+                    * hx[r.clone()]
+                        .iter()
+                        .map(|&v| (v as f64).powi(2))
+                        .sum::<f64>()
+            })
+            .sum();
+        let got = host(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
+            weighted_sq_sum(x.into_primitive().tensor(), &runs),
+        )))[0] as f64;
+        let err = (got - want).abs() / want.max(1e-30);
+        // f32 partial sums over up to millions of terms: a few 1e-7 per level of the tree.
+        let pass = if runs.is_empty() {
+            got == 0.0
+        } else {
+            err <= 1e-5
+        };
+        ok &= pass;
+        println!(
+            "sq_sum f32 len {len} runs {}: {got:.6e} against {want:.6e}, rel err {err:.2e} (tolerance 1e-5) {}",
+            runs.len(),
+            if pass { "ok" } else { "FAIL" }
+        );
+    }
+    ok
+}
+
+/// The gradient-norm reduction against Burn's `square().sum()` on a 1.2B model's layer shard
+/// (51M elements), the size the trainer reduces once per unit and step.
+fn bench_sq_sum() {
+    let dev = device();
+    let n = 51_000_000usize;
+    let x = Tensor::<B, 1>::random([n], Distribution::Normal(0.0, 1.0), &dev);
+    let runs = [(0..n, 1.0f32)];
+    let fused = time(20, || {
+        let _ = weighted_sq_sum(x.clone().into_primitive().tensor(), &runs);
+    });
+    let reference = time(5, || {
+        let _ = x.clone().square().sum();
+    });
+    println!(
+        "sq_sum {n} f32: fused {:.3} ms ({:.0} GB/s), Burn square().sum() {:.3} ms ({:.1}x)",
+        fused * 1e3,
+        4.0 * n as f64 / fused / 1e9,
+        reference * 1e3,
+        reference / fused
+    );
+}
+
 /// Median seconds per call of `f` over `iters` calls, each followed by a device sync.
 fn time(iters: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..3 {
@@ -457,10 +527,13 @@ fn main() {
                 ok &= check();
                 ok &= check_attention();
                 ok &= check_adamw();
+                ok &= check_sq_sum();
             }
             "adamw" => {
                 ok &= check_adamw();
+                ok &= check_sq_sum();
                 bench_adamw();
+                bench_sq_sum();
             }
             "attention" => ok &= check_attention(),
             "gemm" => gemm(),

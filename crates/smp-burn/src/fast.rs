@@ -425,27 +425,34 @@ pub(crate) fn lce_autodiff<B: Backend>(
         .or_else(|| on::<B, NdArray<f32>>(x, w, targets, chunk_tokens))
 }
 
-/// FSDP's AdamW step through the fused kernel when `B` is [`CudaCube`], the path is on and
-/// every tensor is f32; `None` means "run the reference ops". Tensors: `[master, exp_avg,
-/// exp_avg_sq, grad, grad_scale]`; returns the updated `[master, exp_avg, exp_avg_sq]`.
+/// FSDP's AdamW step through the fused kernel when `B` is the CUDA backend and everything is
+/// f32. `state` is `[master, exp_avg, exp_avg_sq]`, taken by value so that the kernel can update
+/// the buffers in place: a second handle would make it copy each one first (three shard-sized
+/// copies per unit and step). `Err(state)` hands the state back: use the reference.
 pub(crate) fn adamw_step<B: Backend>(
-    tensors: [&Tensor<B, 1>; 5],
+    state: [Tensor<B, 1>; 3],
+    grad: &Tensor<B, 1>,
+    grad_scale: &Tensor<B, 1>,
     opt: &crate::fsdp::AdamW,
     lr: f64,
     step: u64,
     decay_runs: &[(std::ops::Range<usize>, bool)],
-) -> Option<[Tensor<B, 1>; 3]> {
+) -> Result<[Tensor<B, 1>; 3], [Tensor<B, 1>; 3]> {
     if !fast_paths().adamw
         || TypeId::of::<B>() != TypeId::of::<CudaCube>()
-        || tensors.iter().any(|t| t.dtype() != DType::F32)
+        || state
+            .iter()
+            .chain([grad, grad_scale])
+            .any(|t| t.dtype() != DType::F32)
     {
-        return None;
+        return Err(state);
     }
-    let [master, exp_avg, exp_avg_sq, grad, scale] = tensors.map(|t| {
-        same::<Tensor<B, 1>, Tensor<CudaCube, 1>>(t.clone())
+    let cube = |t: Tensor<B, 1>| {
+        same::<Tensor<B, 1>, Tensor<CudaCube, 1>>(t)
             .into_primitive()
             .tensor()
-    });
+    };
+    let [master, exp_avg, exp_avg_sq] = state.map(cube);
     let (inv_bias1, inv_bias2) = (
         1.0 / (1.0 - opt.beta1.powi(step as i32)),
         1.0 / (1.0 - opt.beta2.powi(step as i32)),
@@ -459,14 +466,44 @@ pub(crate) fn adamw_step<B: Backend>(
         inv_bias2: inv_bias2 as f32,
         weight_decay: opt.weight_decay as f32,
     };
-    let (m, a, v) =
-        crate::cuda::adamw::adamw_step(master, exp_avg, exp_avg_sq, grad, scale, hp, decay_runs);
-    let wrap = |t| {
-        same(Tensor::<CudaCube, 1>::from_primitive(
-            TensorPrimitive::Float(t),
-        ))
-    };
-    Some([wrap(m), wrap(a), wrap(v)])
+    let (m, a, v) = crate::cuda::adamw::adamw_step(
+        master,
+        exp_avg,
+        exp_avg_sq,
+        cube(grad.clone()),
+        cube(grad_scale.clone()),
+        hp,
+        decay_runs,
+    );
+    Ok([m, a, v].map(wrap_cube))
+}
+
+/// `sum_r weight_r * sum(t[range_r]^2)` (the gradient norm's share of a shard) through one
+/// deterministic CubeCL reduction when `B` is the CUDA backend and `t` is f32; part of the
+/// `adamw` switch, since only the optimizer step uses it. `None` means "use the reference".
+pub(crate) fn weighted_sq_sum<B: Backend>(
+    t: &Tensor<B, 1>,
+    runs: &[(std::ops::Range<usize>, f32)],
+) -> Option<Tensor<B, 1>> {
+    if !fast_paths().adamw
+        || TypeId::of::<B>() != TypeId::of::<CudaCube>()
+        || t.dtype() != DType::F32
+    {
+        return None;
+    }
+    let x = same::<Tensor<B, 1>, Tensor<CudaCube, 1>>(t.clone())
+        .into_primitive()
+        .tensor();
+    Some(wrap_cube(crate::cuda::adamw::weighted_sq_sum(x, runs)))
+}
+
+/// A CUDA kernel's output as a tensor of `B`, which the caller proved to be [`CudaCube`].
+fn wrap_cube<B: Backend>(
+    t: burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>,
+) -> Tensor<B, 1> {
+    same(Tensor::<CudaCube, 1>::from_primitive(
+        TensorPrimitive::Float(t),
+    ))
 }
 
 #[cfg(test)]

@@ -495,7 +495,9 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     /// Sum of squares of this rank's gradient shard (a 1-element tensor; no host sync).
     pub fn grad_sq_sum(&self) -> Option<Tensor<B::InnerBackend, 1>> {
         self.assert_grads_finished("grad_sq_sum");
-        self.grad.as_ref().map(|g| g.clone().square().sum())
+        let g = self.grad.as_ref()?;
+        let whole = [(0..g.dims()[0], 1.0)];
+        Some(crate::fast::weighted_sq_sum(g, &whole).unwrap_or_else(|| g.clone().square().sum()))
     }
 
     /// [`Self::grad_sq_sum`] with each parameter's squares multiplied by `weight(param)`. With
@@ -508,8 +510,13 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     ) -> Option<Tensor<B::InnerBackend, 1>> {
         self.assert_grads_finished("grad_sq_sum_weighted");
         let g = self.grad.as_ref()?;
-        let device = g.device();
         let range = self.layout.shard_range(self.rank, self.degree);
+        // Padding holds zeros; its weight does not matter.
+        let runs = param_runs(&self.layout, range.clone(), weight, 0.0);
+        if let Some(sum) = crate::fast::weighted_sq_sum(g, &runs) {
+            return Some(sum);
+        }
+        let device = g.device();
         let w = build_shard::<B::InnerBackend>(&self.layout, range, &device, &|p, r| {
             Ok(Tensor::full([r.len()], weight(p), &device))
         })
@@ -528,21 +535,21 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     ) {
         self.assert_grads_finished("adamw_step");
         let Some(grad) = self.grad.take() else { return };
-        if let Some([master, exp_avg, exp_avg_sq]) = crate::fast::adamw_step(
-            [
-                &self.master,
-                &self.exp_avg,
-                &self.exp_avg_sq,
-                &grad,
-                &grad_scale,
-            ],
-            opt,
-            lr,
-            step,
-            &self.decay_runs(),
-        ) {
-            (self.master, self.exp_avg, self.exp_avg_sq) = (master, exp_avg, exp_avg_sq);
-            return;
+        // Moved out rather than cloned: the fused kernel updates buffers in place only when it
+        // holds their only handle.
+        let hole = || Tensor::empty([0], &grad.device());
+        let state = [
+            std::mem::replace(&mut self.master, hole()),
+            std::mem::replace(&mut self.exp_avg, hole()),
+            std::mem::replace(&mut self.exp_avg_sq, hole()),
+        ];
+        let decay_runs = self.decay_runs();
+        match crate::fast::adamw_step(state, &grad, &grad_scale, opt, lr, step, &decay_runs) {
+            Ok(updated) => {
+                [self.master, self.exp_avg, self.exp_avg_sq] = updated;
+                return;
+            }
+            Err(state) => [self.master, self.exp_avg, self.exp_avg_sq] = state,
         }
         let g = grad * grad_scale;
         let (b1, b2) = (opt.beta1, opt.beta2);
@@ -703,11 +710,22 @@ type ShardPiece<'a, IB> = dyn Fn(&FlatParam, Range<usize>) -> Result<Tensor<IB, 
 /// decay; norm weights and padding do not), in coordinates relative to `range.start`. The
 /// reference AdamW builds its mask from them and the fused kernel launches once per run.
 fn decay_runs(layout: &FlatLayout, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
-    fn push(runs: &mut Vec<(Range<usize>, bool)>, r: Range<usize>, decays: bool) {
+    param_runs(layout, range, &|p| p.shape.len() >= 2, false)
+}
+
+/// `range` of the flat buffer as maximal runs of elements whose parameters share `key(param)`,
+/// relative to `range.start`; the padding past the last parameter gets `padding`.
+fn param_runs<K: Copy + PartialEq>(
+    layout: &FlatLayout,
+    range: Range<usize>,
+    key: &dyn Fn(&FlatParam) -> K,
+    padding: K,
+) -> Vec<(Range<usize>, K)> {
+    fn push<K: PartialEq>(runs: &mut Vec<(Range<usize>, K)>, r: Range<usize>, k: K) {
         match runs.last_mut() {
             _ if r.is_empty() => {}
-            Some((last, d)) if *d == decays && last.end == r.start => last.end = r.end,
-            _ => runs.push((r, decays)),
+            Some((last, lk)) if *lk == k && last.end == r.start => last.end = r.end,
+            _ => runs.push((r, k)),
         }
     }
     let mut runs = Vec::new();
@@ -715,15 +733,11 @@ fn decay_runs(layout: &FlatLayout, range: Range<usize>) -> Vec<(Range<usize>, bo
         let lo = p.offset.max(range.start);
         let hi = (p.offset + p.numel).min(range.end);
         if lo < hi {
-            push(
-                &mut runs,
-                lo - range.start..hi - range.start,
-                p.shape.len() >= 2,
-            );
+            push(&mut runs, lo - range.start..hi - range.start, key(p));
         }
     }
     let covered = runs.last().map_or(0, |(r, _)| r.end);
-    push(&mut runs, covered..range.len(), false);
+    push(&mut runs, covered..range.len(), padding);
     runs
 }
 

@@ -84,6 +84,18 @@ pub fn cuda_device_count() -> usize {
     CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
 }
 
+/// Total memory of CUDA device `index` in bytes, or `None` without a driver or device.
+pub fn cuda_device_memory(index: usize) -> Option<u64> {
+    if cuda_device_count() <= index {
+        return None;
+    }
+    let dev = cudarc::driver::result::device::get(index as i32).ok()?;
+    // SAFETY: `dev` is a valid device handle from the initialized driver.
+    unsafe { cudarc::driver::result::device::total_mem(dev) }
+        .ok()
+        .map(|b| b as u64)
+}
+
 fn cuda_err(what: &str, e: impl std::fmt::Debug) -> SmpError {
     SmpError::Cuda(format!("{what}: {e:?}"))
 }
