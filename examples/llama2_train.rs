@@ -210,7 +210,8 @@ fn checkpointing_needed(config: &TrainConfig, dims: &ParallelDims) -> Result<boo
     let on = need > have / 10 * 8;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
-        "activation checkpointing {}: without it this run needs about {:.0} GiB per GPU, {:.0}          GiB is 80 % of the GPU (--activation-checkpointing true/false overrides)",
+        "activation checkpointing {}: without it this run needs about {:.0} GiB per GPU, {:.0} \
+         GiB is 80 % of the GPU (--activation-checkpointing true/false overrides)",
         if on { "on" } else { "off" },
         gib(need),
         gib(have) * 0.8

@@ -272,12 +272,13 @@ pub struct MmaBwdTiling {
 }
 
 impl MmaBwdTiling {
-    /// 8 warps (128 keys per cube), 32-query blocks, dQ by the separate kernel: the fastest of
-    /// the eight original tilings on an H200 (hd 128, causal: 135 TFLOP/s at S=4096, 151 at
-    /// 16384; the atomic dQ of the same shape 131 / 144; FlashAttention-2's 8x64-atomic 115 /
-    /// 127). It is also deterministic, which the atomic dQ is not. The `-pf`, `-cp` and `-vd`
-    /// tilings are unmeasured additions.
-    pub const DEFAULT: MmaBwdTiling = MmaBwdTiling::new(8, 32, MmaDq::Split);
+    /// 4 warps (64 keys per cube), 64-query blocks, dQ by the separate kernel, tiles staged with
+    /// `cp.async`, the warp-cooperative delta: the fastest measured on an H200 (hd 128, causal,
+    /// `flash_check`, session 4 call T): 189 TFLOP/s at S=4096 and 203 at 16384, where the
+    /// synchronously staged 8x32-split (the previous default) gives 134 / 151, its register
+    /// prefetch `-pf` 148 at 4096 and 8x64-split-cp-vd 185 / 209. Deterministic (no atomics).
+    pub const DEFAULT: MmaBwdTiling =
+        MmaBwdTiling::new(4, 64, MmaDq::Split).with(MmaBwdPipe::Async, true);
 
     /// Every supported backward tiling, for checks and benchmarks: the eight original ones,
     /// then the staging/delta variants (the riskier `cp.async` ones last, so that a failure
