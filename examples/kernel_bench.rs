@@ -377,6 +377,54 @@ fn check_sq_sum() -> bool {
     ok
 }
 
+/// Gradient packing into the flat f32 buffer against `cast` + `cat`: bf16 and f32 pieces, odd
+/// lengths (so the vector width changes from piece to piece), padding after them.
+fn check_pack() -> bool {
+    let dev = device();
+    let mut ok = true;
+    for (lens, total) in [
+        (vec![7usize], 7usize),
+        (vec![16, 3, 8, 1, 4096], 4200),
+        (vec![2048 * 5632, 2048, 77], 2048 * 5632 + 2048 + 80),
+    ] {
+        let pieces: Vec<Tensor<B, 1>> = lens
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                let t = Tensor::<B, 1>::random([n], Distribution::Normal(0.0, 1.0), &dev);
+                if k % 2 == 0 { t.cast(DType::BF16) } else { t }
+            })
+            .collect();
+        let mut want: Vec<Tensor<B, 1>> =
+            pieces.iter().map(|p| p.clone().cast(DType::F32)).collect();
+        let used: usize = lens.iter().sum();
+        want.push(Tensor::zeros([total - used], &dev));
+        let want = host(Tensor::cat(want, 0));
+        let got = host(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
+            smp_burn::cuda::flat::pack_f32(
+                pieces
+                    .into_iter()
+                    .map(|p| p.into_primitive().tensor())
+                    .collect(),
+                total,
+            ),
+        )));
+        // A cast is exact: the packed buffer must equal cast + cat bit for bit.
+        let pass = got.len() == want.len()
+            && got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        ok &= pass;
+        println!(
+            "pack_f32 pieces {:?} into {total}: {}",
+            lens,
+            if pass { "ok (bitwise)" } else { "FAIL" }
+        );
+    }
+    ok
+}
+
 /// The gradient-norm reduction against Burn's `square().sum()` on a 1.2B model's layer shard
 /// (51M elements), the size the trainer reduces once per unit and step.
 fn bench_sq_sum() {
@@ -528,10 +576,12 @@ fn main() {
                 ok &= check_attention();
                 ok &= check_adamw();
                 ok &= check_sq_sum();
+                ok &= check_pack();
             }
             "adamw" => {
                 ok &= check_adamw();
                 ok &= check_sq_sum();
+                ok &= check_pack();
                 bench_adamw();
                 bench_sq_sum();
             }

@@ -16,7 +16,7 @@
 //! where the CPU tests check it against the reference.
 
 use std::any::{Any, TypeId};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU16, Ordering};
 
 use burn::backend::Autodiff;
 use burn::tensor::{DType, Int, Tensor, TensorPrimitive, backend::Backend};
@@ -43,10 +43,13 @@ pub struct FastPaths {
     pub loss: bool,
     /// FSDP's AdamW step as one kernel per shard run ([`crate::cuda::adamw`]).
     pub adamw: bool,
+    /// FSDP's gradients packed into the flat buffer by one cast-and-copy kernel per parameter
+    /// ([`crate::cuda::flat`]) instead of a cast and a `cat`.
+    pub flat: bool,
 }
 
 /// The path names [`FastPaths::parse`] accepts, in bit order.
-const NAMES: [&str; 7] = [
+const NAMES: [&str; 8] = [
     "gemm",
     "attention",
     "norm",
@@ -54,6 +57,7 @@ const NAMES: [&str; 7] = [
     "swiglu",
     "loss",
     "adamw",
+    "flat",
 ];
 
 impl FastPaths {
@@ -66,6 +70,7 @@ impl FastPaths {
         swiglu: true,
         loss: true,
         adamw: true,
+        flat: true,
     };
     /// Only the reference ops.
     pub const NONE: Self = Self {
@@ -76,10 +81,11 @@ impl FastPaths {
         swiglu: false,
         loss: false,
         adamw: false,
+        flat: false,
     };
 
     /// Parses `all`, `none` or a comma list of path names (`gemm`, `attention`, `norm`,
-    /// `rope`, `swiglu`, `loss`, `adamw`).
+    /// `rope`, `swiglu`, `loss`, `adamw`, `flat`).
     pub fn parse(s: &str) -> Result<Self, String> {
         match s.trim() {
             "" | "all" => return Ok(Self::ALL),
@@ -96,6 +102,7 @@ impl FastPaths {
                 "swiglu" => &mut p.swiglu,
                 "loss" => &mut p.loss,
                 "adamw" => &mut p.adamw,
+                "flat" => &mut p.flat,
                 other => {
                     return Err(format!(
                         "unknown fast path {other:?} (known: {}; or all / none)",
@@ -108,7 +115,7 @@ impl FastPaths {
         Ok(p)
     }
 
-    fn flags(self) -> [bool; 7] {
+    fn flags(self) -> [bool; 8] {
         [
             self.gemm,
             self.attention,
@@ -117,18 +124,19 @@ impl FastPaths {
             self.swiglu,
             self.loss,
             self.adamw,
+            self.flat,
         ]
     }
 
     /// Bit 0 marks "set"; bit `i + 1` is flag `i` of [`Self::flags`].
-    fn bits(self) -> u8 {
+    fn bits(self) -> u16 {
         self.flags()
             .iter()
             .enumerate()
-            .fold(1, |b, (i, &on)| b | (on as u8) << (i + 1))
+            .fold(1, |b, (i, &on)| b | (on as u16) << (i + 1))
     }
 
-    fn from_bits(b: u8) -> Self {
+    fn from_bits(b: u16) -> Self {
         let on = |i: usize| b & (1 << (i + 1)) != 0;
         Self {
             gemm: on(0),
@@ -138,12 +146,13 @@ impl FastPaths {
             swiglu: on(4),
             loss: on(5),
             adamw: on(6),
+            flat: on(7),
         }
     }
 }
 
 /// 0 = not yet read from the environment.
-static FLAGS: AtomicU8 = AtomicU8::new(0);
+static FLAGS: AtomicU16 = AtomicU16::new(0);
 
 /// The fast paths in force (from [`set_fast_paths`], else `SMP_BURN_FAST`, else all).
 pub fn fast_paths() -> FastPaths {
@@ -497,6 +506,27 @@ pub(crate) fn weighted_sq_sum<B: Backend>(
     Some(wrap_cube(crate::cuda::adamw::weighted_sq_sum(x, runs)))
 }
 
+/// One flat f32 tensor of `total` elements holding `pieces` back to back, then zeros, through
+/// one cast-and-copy kernel per piece when `B` is the CUDA backend; `Err(pieces)` hands them
+/// back for the reference (`cast` + `cat`).
+pub(crate) fn pack_f32<B: Backend>(
+    pieces: Vec<Tensor<B, 1>>,
+    total: usize,
+) -> Result<Tensor<B, 1>, Vec<Tensor<B, 1>>> {
+    if !fast_paths().flat || TypeId::of::<B>() != TypeId::of::<CudaCube>() || pieces.is_empty() {
+        return Err(pieces);
+    }
+    let cubes = pieces
+        .into_iter()
+        .map(|t| {
+            same::<Tensor<B, 1>, Tensor<CudaCube, 1>>(t)
+                .into_primitive()
+                .tensor()
+        })
+        .collect();
+    Ok(wrap_cube(crate::cuda::flat::pack_f32(cubes, total)))
+}
+
 /// A CUDA kernel's output as a tensor of `B`, which the caller proved to be [`CudaCube`].
 fn wrap_cube<B: Backend>(
     t: burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>,
@@ -515,7 +545,7 @@ mod tests {
         assert_eq!(FastPaths::parse("all").unwrap(), FastPaths::ALL);
         assert_eq!(FastPaths::parse("none").unwrap(), FastPaths::NONE);
         assert_eq!(
-            FastPaths::parse("gemm, attention,norm,rope,swiglu,loss,adamw").unwrap(),
+            FastPaths::parse("gemm, attention,norm,rope,swiglu,loss,adamw,flat").unwrap(),
             FastPaths::ALL
         );
         let only_gemm = FastPaths::parse("gemm").unwrap();

@@ -396,8 +396,9 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                 let value = param.val();
                 let spec = &self.layout.params[self.pieces.len()];
                 let device = value.device();
+                // Kept in the compute dtype: the packing casts (one pass, not two).
                 let piece = match value.grad(self.grads) {
-                    Some(g) => g.cast(FloatDType::F32).reshape([spec.numel]),
+                    Some(g) => g.reshape([spec.numel]),
                     // A parameter the step did not use has a zero gradient.
                     None => Tensor::zeros([spec.numel], &device),
                 };
@@ -416,14 +417,22 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             .device
             .clone()
             .expect("a unit has at least one parameter");
-        let mut pieces = collect.pieces;
-        if self.layout.padded > self.layout.numel {
-            pieces.push(Tensor::zeros(
-                [self.layout.padded - self.layout.numel],
-                &device,
-            ));
-        }
-        let mut full = Tensor::cat(pieces, 0);
+        let mut full = match crate::fast::pack_f32(collect.pieces, self.layout.padded) {
+            Ok(full) => full,
+            Err(pieces) => {
+                let mut pieces: Vec<_> = pieces
+                    .into_iter()
+                    .map(|p| p.cast(FloatDType::F32))
+                    .collect();
+                if self.layout.padded > self.layout.numel {
+                    pieces.push(Tensor::zeros(
+                        [self.layout.padded - self.layout.numel],
+                        &device,
+                    ));
+                }
+                Tensor::cat(pieces, 0)
+            }
+        };
         if let Some(prev) = self.deferred_full_grad.take() {
             full = full + prev;
         }

@@ -21,6 +21,7 @@
 pub mod adamw;
 pub mod attention;
 pub mod flash;
+pub mod flat;
 pub mod fused;
 pub mod gemm;
 mod kernel_cache;
