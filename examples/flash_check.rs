@@ -19,7 +19,8 @@
 //! jump between key blocks and the cmma forward's lazy-rescale path runs.
 //!
 //! The `mma` variant is labelled `mma[WxM,BWD]` with its forward tiling (W warps per cube, M
-//! 16-row tiles per warp; see `flash::MmaTiling`) and its backward tiling BWD (`WxI-atomic` or
+//! 16-row tiles per warp, suffix `-cp` for `cp.async` double buffering of K/V; see
+//! `flash::MmaTiling`) and its backward tiling BWD (`WxI-atomic` or
 //! `WxI-split`: W warps of 16 keys, inner query blocks of I, dQ by atomics in the dK/dV kernel
 //! or by a separate kernel; suffixes `-pf` (next Q/dO block prefetched into registers), `-cp`
 //! (`cp.async` double buffering in both backward kernels) and `-vd` (warp-cooperative `delta`
@@ -33,7 +34,7 @@
 //! errors.
 //!
 //! Flags: `--quick` (fewer shapes, S=4096 only), `--no-bench`, `--no-check`,
-//! `--variant plain|cmma|mma` (only that one), `--mma-tiling 4x1|8x1|4x2|8x2|all` (default
+//! `--variant plain|cmma|mma` (only that one), `--mma-tiling 4x1|8x1|4x2|8x2[-cp]|all` (default
 //! all), `--mma-bwd-tiling {4,8}x{32,64}-{atomic,split}[-pf|-cp][-vd]|all` (default all; the
 //! names `MmaBwdTiling::ALL` lists, printed by an unknown name), `--iters N` (timed
 //! iterations, default 10).
@@ -104,7 +105,7 @@ fn parse_args() -> Args {
                 a.tilings = match name.as_deref() {
                     Some("all") => MmaTiling::ALL.to_vec(),
                     Some(t) => vec![MmaTiling::parse(t).unwrap_or_else(|| {
-                        panic!("--mma-tiling takes 4x1, 8x1, 4x2, 8x2 or all, got {t:?}")
+                        panic!("--mma-tiling takes 4x1, 8x1, 4x2, 8x2 (each optionally -cp) or all, got {t:?}")
                     })],
                     None => panic!("--mma-tiling needs a value"),
                 }

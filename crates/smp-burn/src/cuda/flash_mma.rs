@@ -48,6 +48,11 @@
 //! finite `-1e30` only on blocks that cross the diagonal, and warps whose rows are all above a
 //! key block skip it.
 //!
+//! The `-cp` tilings ([`MmaTiling::cp_async`], [`flash_fwd_mma_cp`]) copy K/V with `cp.async`
+//! into a double buffer instead (the backward's `-cp` mechanism, same helpers): no staging
+//! registers, one cube barrier per key block, the next block in flight at `m_tiles = 2` too.
+//! Both kernels run the same per-block code ([`fwd_block`]), so their results are identical.
+//!
 //! # Backward
 //!
 //! `delta = rowsum(dO * O)` comes from the shared kernel in `flash.rs`. Then, shaped by
@@ -116,69 +121,75 @@ use super::{load_tile_regs, stage_tile, store_tile_regs, vector_width};
 /// Keys per block of the Mma forward's inner loop.
 pub const MMA_KEYS: usize = 64;
 
-/// Warps per cube and 16-row m-tiles per warp of the Mma kernels: a cube covers
-/// `16 * warps * m_tiles` query rows.
+/// Warps per cube and 16-row m-tiles per warp of the Mma forward, and how it stages K/V: a cube
+/// covers `16 * warps * m_tiles` query rows.
 ///
 /// More rows per warp (`m_tiles = 2`) halves the shared-memory reads of K and V per FLOP but
 /// doubles the accumulator registers and turns off the register prefetch of the next K/V block;
-/// more warps per cube share one staged K/V block between more rows. Which is fastest is a
-/// measurement, hence the knob (`SMP_BURN_FLASH_MMA_TILING`, [`set_mma_tiling`]).
+/// more warps per cube share one staged K/V block between more rows. `cp_async` (the `-cp`
+/// suffix) replaces the staging by `cp.async` double buffering ([`flash_fwd_mma_cp`]). Which is
+/// fastest is a measurement, hence the knob (`SMP_BURN_FLASH_MMA_TILING`, [`set_mma_tiling`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MmaTiling {
     /// Warps per cube: 4 or 8.
     pub warps: usize,
     /// 16-row tiles per warp: 1 or 2.
     pub m_tiles: usize,
+    /// K/V blocks copied by `cp.async` into a double buffer, one cube barrier per block
+    /// (the backward's [`MmaBwdPipe::Async`] mechanism), instead of a register prefetch
+    /// (`m_tiles = 1`) or synchronous staging (`m_tiles = 2`) between two barriers.
+    pub cp_async: bool,
 }
 
 impl MmaTiling {
     /// 8 warps of 16 rows (128 query rows per cube): the fastest forward at S = 4096 on an
     /// H200 (175 TFLOP/s, causal hd 128; 4x1 149, 4x2 164, 8x2 161), within 1 % of the best
-    /// (8x2) at S = 16384.
-    pub const DEFAULT: MmaTiling = MmaTiling {
-        warps: 8,
-        m_tiles: 1,
-    };
+    /// (8x2) at S = 16384. The `-cp` tilings are not measured yet.
+    pub const DEFAULT: MmaTiling = MmaTiling::new(8, 1, false);
 
-    /// Every supported tiling, for benchmarks.
-    pub const ALL: [MmaTiling; 4] = [
-        MmaTiling {
-            warps: 4,
-            m_tiles: 1,
-        },
-        MmaTiling {
-            warps: 8,
-            m_tiles: 1,
-        },
-        MmaTiling {
-            warps: 4,
-            m_tiles: 2,
-        },
-        MmaTiling {
-            warps: 8,
-            m_tiles: 2,
-        },
+    /// Every supported tiling, for checks and benchmarks; the `cp.async` ones last (as in
+    /// [`MmaBwdTiling::ALL`], so that a failure there leaves the others' results printed).
+    pub const ALL: [MmaTiling; 8] = [
+        MmaTiling::new(4, 1, false),
+        MmaTiling::new(8, 1, false),
+        MmaTiling::new(4, 2, false),
+        MmaTiling::new(8, 2, false),
+        MmaTiling::new(4, 1, true),
+        MmaTiling::new(8, 1, true),
+        MmaTiling::new(4, 2, true),
+        MmaTiling::new(8, 2, true),
     ];
+
+    const fn new(warps: usize, m_tiles: usize, cp_async: bool) -> Self {
+        MmaTiling {
+            warps,
+            m_tiles,
+            cp_async,
+        }
+    }
 
     /// Query rows per cube.
     pub fn rows(&self) -> usize {
         16 * self.warps * self.m_tiles
     }
 
-    /// Parses `WARPSxMTILES`, e.g. `4x1`; `None` for anything unsupported.
+    /// Parses `WARPSxMTILES[-cp]`, e.g. `4x1` or `8x1-cp`; `None` for anything unsupported.
     pub fn parse(s: &str) -> Option<MmaTiling> {
-        let (w, m) = s.trim().split_once('x')?;
-        let tiling = MmaTiling {
-            warps: w.parse().ok()?,
-            m_tiles: m.parse().ok()?,
+        let s = s.trim();
+        let (shape, cp_async) = match s.strip_suffix("-cp") {
+            Some(shape) => (shape, true),
+            None => (s, false),
         };
+        let (w, m) = shape.split_once('x')?;
+        let tiling = MmaTiling::new(w.parse().ok()?, m.parse().ok()?, cp_async);
         Self::ALL.contains(&tiling).then_some(tiling)
     }
 }
 
 impl std::fmt::Display for MmaTiling {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}x{}", self.warps, self.m_tiles)
+        let cp = if self.cp_async { "-cp" } else { "" };
+        write!(f, "{}x{}{cp}", self.warps, self.m_tiles)
     }
 }
 
@@ -186,7 +197,8 @@ impl std::fmt::Display for MmaTiling {
 static TILING_OVERRIDE: Mutex<Option<MmaTiling>> = Mutex::new(None);
 
 /// The tiling the Mma kernels launch with: the last [`set_mma_tiling`], else
-/// `SMP_BURN_FLASH_MMA_TILING` (`4x1`, `8x1`, `4x2` or `8x2`), else [`MmaTiling::DEFAULT`].
+/// `SMP_BURN_FLASH_MMA_TILING` (`4x1`, `8x1`, `4x2` or `8x2`, each optionally with `-cp`,
+/// e.g. `8x1-cp`), else [`MmaTiling::DEFAULT`].
 ///
 /// # Panics
 /// If the environment variable is set to something else (a silent fallback would make a
@@ -197,7 +209,10 @@ pub fn mma_tiling() -> MmaTiling {
     }
     match std::env::var("SMP_BURN_FLASH_MMA_TILING") {
         Ok(s) => MmaTiling::parse(&s).unwrap_or_else(|| {
-            panic!("SMP_BURN_FLASH_MMA_TILING={s:?}: expected one of 4x1, 8x1, 4x2, 8x2")
+            panic!(
+                "SMP_BURN_FLASH_MMA_TILING={s:?}: expected one of 4x1, 8x1, 4x2, 8x2, \
+                 optionally with -cp (e.g. 8x1-cp)"
+            )
         }),
         Err(_) => MmaTiling::DEFAULT,
     }
@@ -693,6 +708,159 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
 // Forward
 // ------------------------------------------------------------------------------------------
 
+/// One key block of the forward kernels for one warp's `16 * m_tiles` query rows (first row
+/// `row0`, row `wrow` of `qs`): `S = Q K^T`, the online softmax on the accumulators (the causal
+/// mask only on blocks that reach past the warp's first row), then `O += P V`. The block's
+/// first key is `k0`; its K and V rows start at row `krow0` of `ks` and `vs` (0, or the second
+/// half of a double buffer). Shared by [`flash_fwd_mma`] and [`flash_fwd_mma_cp`], which only
+/// differ in how the K/V tiles get to shared memory.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fwd_block<F: Float, N: Size>(
+    qs: &SharedMemory<Vector<F, N>>,
+    ks: &SharedMemory<Vector<F, N>>,
+    vs: &SharedMemory<Vector<F, N>>,
+    krow0: usize,
+    k0: usize,
+    wrow: usize,
+    row0: usize,
+    lane: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    scale: f32,
+    s_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    p: &mut Array<f32>,
+    m_run: &mut Array<f32>,
+    l_run: &mut Array<f32>,
+    o_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] m_tiles: usize,
+    #[comptime] n_tiles: usize,
+    #[comptime] d_tiles: usize,
+    #[comptime] k_steps: usize,
+    #[comptime] ldt: usize,
+    #[comptime] nv: usize,
+) {
+    mma_abt_strip::<F, N>(
+        qs, wrow, ks, krow0, s_acc, lane, m_tiles, n_tiles, k_steps, ldt, nv,
+    );
+    // Only blocks that reach past this warp's first row need the causal mask.
+    let masked = k0 + comptime!(8 * n_tiles) > row0 + 1;
+    #[unroll]
+    for mt in 0..m_tiles {
+        #[unroll]
+        for hh in 0..2usize {
+            let mut r = r_lo;
+            if hh == 1 {
+                r = r_hi;
+            }
+            let row = row0 + 16 * mt + r;
+            let si = comptime!(mt * 2 + hh);
+            // Raw scores of this row (scale > 0, so the max commutes with it).
+            let mut mx = f32::new(-1.0e30);
+            #[unroll]
+            for nt in 0..n_tiles {
+                let frag = s_acc.index(comptime!(mt * n_tiles + nt));
+                let pair = frag[hh];
+                #[unroll]
+                for e in 0..2usize {
+                    let mut sv = pair[e];
+                    if masked {
+                        let key = k0 + 8 * nt + c_lo + e;
+                        if key > row {
+                            sv = f32::new(-1.0e30);
+                        }
+                    }
+                    p[comptime!(((mt * n_tiles + nt) * 2 + hh) * 2 + e)] = sv;
+                    mx = f32::max(mx, sv);
+                }
+            }
+            mx = f32::max(mx, plane_shuffle_xor(mx, 1u32));
+            mx = f32::max(mx, plane_shuffle_xor(mx, 2u32));
+            let m_old = m_run[si];
+            let m_new = f32::max(m_old, mx * scale);
+            let alpha = (m_old - m_new).exp();
+            m_run[si] = m_new;
+            let mut lsum = f32::new(0.0);
+            #[unroll]
+            for j in 0..comptime!(2 * n_tiles) {
+                let idx = comptime!(((mt * n_tiles + j / 2) * 2 + hh) * 2 + j % 2);
+                let pe = (p[idx] * scale - m_new).exp();
+                p[idx] = pe;
+                lsum += pe;
+            }
+            l_run[si] = l_run[si] * alpha + lsum;
+            let alpha_v = Vector::<f32, Const<2>>::new(alpha);
+            #[unroll]
+            for dt in 0..d_tiles {
+                let frag = o_acc.index_mut(comptime!(mt * d_tiles + dt));
+                frag[hh] = frag[hh] * alpha_v;
+            }
+        }
+    }
+    mma_pv_strip::<F, N>(
+        p, vs, krow0, o_acc, lane, m_tiles, n_tiles, d_tiles, ldt, nv,
+    );
+}
+
+/// The end of the forward kernels: finishes the row sums across each quad (every lane summed
+/// only its own columns), then writes this warp's rows of `o` (`O / l`, through `o`'s strides,
+/// so any layout with a unit last stride works) and `lse = m + ln(l)`, for rows before `seq`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_fwd_out<F: Float>(
+    o: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    o_acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    m_run: &Array<f32>,
+    l_run: &mut Array<f32>,
+    b: usize,
+    h: usize,
+    row0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    seq: usize,
+    #[comptime] m_tiles: usize,
+    #[comptime] d_tiles: usize,
+) {
+    #[unroll]
+    for i in 0..comptime!(2 * m_tiles) {
+        let l = l_run[i];
+        let l = l + plane_shuffle_xor(l, 1u32);
+        l_run[i] = l + plane_shuffle_xor(l, 2u32);
+    }
+    let o_base = b * o.stride(0) + h * o.stride(1);
+    let lse_base = b * lse.stride(0) + h * lse.stride(1);
+    #[unroll]
+    for mt in 0..m_tiles {
+        #[unroll]
+        for hh in 0..2usize {
+            let mut r = r_lo;
+            if hh == 1 {
+                r = r_hi;
+            }
+            let row = row0 + 16 * mt + r;
+            let si = comptime!(mt * 2 + hh);
+            if row < seq {
+                let l = l_run[si];
+                let inv = f32::new(1.0) / l;
+                let ob = o_base + row * o.stride(2) + c_lo;
+                #[unroll]
+                for dt in 0..d_tiles {
+                    let frag = o_acc.index(comptime!(mt * d_tiles + dt));
+                    let pair = frag[hh];
+                    o[ob + 8 * dt] = F::cast_from(pair[0] * inv);
+                    o[ob + 8 * dt + 1] = F::cast_from(pair[1] * inv);
+                }
+                if c_lo == 0 {
+                    lse[lse_base + row * lse.stride(2)] = m_run[si] + l.ln();
+                }
+            }
+        }
+    }
+}
+
 /// Forward, manual MMA. Cube = (query head, query block from the last, batch); `32 * warps`
 /// threads; see the module doc.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
@@ -840,108 +1008,181 @@ fn flash_fwd_mma<F: Float, N: Size>(
 
         // Warps whose rows all precede the block see none of its keys (warp-uniform).
         if k0 < row0 + rows_w {
-            mma_abt_strip::<F, N>(
-                &qs, wrow, &ks, 0usize, &mut s_acc, lane, m_tiles, n_tiles, k_steps, ldt, nv,
-            );
-            // Only blocks that reach past this warp's first row need the causal mask.
-            let masked = k0 + bk > row0 + 1;
-            #[unroll]
-            for mt in 0..m_tiles {
-                #[unroll]
-                for hh in 0..2usize {
-                    let mut r = r_lo;
-                    if hh == 1 {
-                        r = r_hi;
-                    }
-                    let row = row0 + 16 * mt + r;
-                    let si = comptime!(mt * 2 + hh);
-                    // Raw scores of this row (scale > 0, so the max commutes with it).
-                    let mut mx = f32::new(-1.0e30);
-                    #[unroll]
-                    for nt in 0..n_tiles {
-                        let frag = s_acc.index(comptime!(mt * n_tiles + nt));
-                        let pair = frag[hh];
-                        #[unroll]
-                        for e in 0..2usize {
-                            let mut sv = pair[e];
-                            if masked {
-                                let key = k0 + 8 * nt + c_lo + e;
-                                if key > row {
-                                    sv = f32::new(-1.0e30);
-                                }
-                            }
-                            p[comptime!(((mt * n_tiles + nt) * 2 + hh) * 2 + e)] = sv;
-                            mx = f32::max(mx, sv);
-                        }
-                    }
-                    mx = f32::max(mx, plane_shuffle_xor(mx, 1u32));
-                    mx = f32::max(mx, plane_shuffle_xor(mx, 2u32));
-                    let m_old = m_run[si];
-                    let m_new = f32::max(m_old, mx * scale);
-                    let alpha = (m_old - m_new).exp();
-                    m_run[si] = m_new;
-                    let mut lsum = f32::new(0.0);
-                    #[unroll]
-                    for j in 0..comptime!(2 * n_tiles) {
-                        let idx = comptime!(((mt * n_tiles + j / 2) * 2 + hh) * 2 + j % 2);
-                        let pe = (p[idx] * scale - m_new).exp();
-                        p[idx] = pe;
-                        lsum += pe;
-                    }
-                    l_run[si] = l_run[si] * alpha + lsum;
-                    let alpha_v = Vector::<f32, Const<2>>::new(alpha);
-                    #[unroll]
-                    for dt in 0..d_tiles {
-                        let frag = o_acc.index_mut(comptime!(mt * d_tiles + dt));
-                        frag[hh] = frag[hh] * alpha_v;
-                    }
-                }
-            }
-            mma_pv_strip::<F, N>(
-                &p, &vs, 0usize, &mut o_acc, lane, m_tiles, n_tiles, d_tiles, ldt, nv,
+            fwd_block::<F, N>(
+                &qs, &ks, &vs, 0usize, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
+                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
+                ldt, nv,
             );
         }
     }
 
-    // Each lane summed only its own columns: finish the row sums across the quad.
-    #[unroll]
-    for i in 0..comptime!(2 * m_tiles) {
-        let l = l_run[i];
-        let l = l + plane_shuffle_xor(l, 1u32);
-        l_run[i] = l + plane_shuffle_xor(l, 2u32);
-    }
-    let o_base = b * o.stride(0) + h * o.stride(1);
-    let lse_base = b * lse.stride(0) + h * lse.stride(1);
-    #[unroll]
-    for mt in 0..m_tiles {
-        #[unroll]
-        for hh in 0..2usize {
-            let mut r = r_lo;
-            if hh == 1 {
-                r = r_hi;
-            }
-            let row = row0 + 16 * mt + r;
-            let si = comptime!(mt * 2 + hh);
-            if row < seq {
-                let l = l_run[si];
-                let inv = f32::new(1.0) / l;
-                let ob = o_base + row * o.stride(2) + c_lo;
-                #[unroll]
-                for dt in 0..d_tiles {
-                    let frag = o_acc.index(comptime!(mt * d_tiles + dt));
-                    let pair = frag[hh];
-                    o[ob + 8 * dt] = F::cast_from(pair[0] * inv);
-                    o[ob + 8 * dt + 1] = F::cast_from(pair[1] * inv);
-                }
-                if c_lo == 0 {
-                    lse[lse_base + row * lse.stride(2)] = m_run[si] + l.ln();
-                }
-            }
-        }
-    }
+    write_fwd_out::<F>(
+        o, lse, &o_acc, &m_run, &mut l_run, b, h, row0, r_lo, r_hi, c_lo, seq, m_tiles, d_tiles,
+    );
 }
 
-/// Launches the Mma forward into `o`, `lse` (allocated by the caller with the usual shapes).
+/// Forward with `cp.async` double buffering of the K/V tiles ([`MmaTiling::cp_async`]): the
+/// work of [`flash_fwd_mma`] (same [`fwd_block`], same values in the same order), but Q and
+/// the first K/V block are copied by `cp.async` ([`copy_tile_async`]) and each later K/V
+/// block into the other half of two-block tiles, as [`flash_bwd_dq_mma_cp`] does: after the
+/// barrier that makes block `i` visible (which every thread reaches only once done with block
+/// `i - 1`, the previous user of the other half), the copies of block `i + 1` are issued, then
+/// block `i` is computed. One cube barrier per block instead of two, no staging registers
+/// (the register prefetch costs 32 per lane at 8 warps, hd 128), and the next block's loads
+/// are in flight during the whole current block, also at `m_tiles = 2`, where the plain
+/// kernel stages synchronously. Costs one more K/V block of shared memory (34 KiB at hd 128).
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_fwd_mma_cp<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    o: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    seq_len: u32,
+    group: u32,
+    n_blocks: u32,
+    #[comptime] d: usize,
+    #[comptime] nv: usize,
+    #[comptime] warps: usize,
+    #[comptime] m_tiles: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let rows_w = comptime!(16 * m_tiles);
+    let bq = comptime!(16 * m_tiles * warps);
+    let bk = comptime!(MMA_KEYS);
+    let nthreads = comptime!(32 * warps);
+    let ldt = comptime!(d + 8);
+    let n_tiles = comptime!(MMA_KEYS / 8);
+    let d_tiles = comptime!(d / 8);
+    let k_steps = comptime!(d / 16);
+
+    let seq = seq_len as usize;
+    let h = CUBE_POS_X as usize;
+    let qb = n_blocks as usize - 1 - CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let hk = h / group as usize;
+    let warp = UNIT_POS as usize / 32;
+    let lane = UNIT_POS_PLANE as usize;
+    let q0 = qb * bq;
+    let wrow = warp * rows_w;
+    let row0 = q0 + wrow;
+
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
+    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
+    let r_lo = r_lo as usize;
+    let r_hi = r_hi as usize;
+    let c_lo = c_lo as usize;
+
+    let k_base = (b * k.stride(0) + hk * k.stride(1)) / nv;
+    let v_base = (b * v.stride(0) + hk * v.stride(1)) / nv;
+    let k_rs = k.stride(2) / nv;
+    let v_rs = v.stride(2) / nv;
+
+    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * ldt / nv), 128usize);
+    // Two halves of MMA_KEYS rows each.
+    let mut ks =
+        SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * MMA_KEYS * ldt / nv), 128usize);
+    let mut vs =
+        SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * MMA_KEYS * ldt / nv), 128usize);
+
+    // One phase per key block; created before any copy is issued.
+    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    // Q and the first K/V block go together: the first barrier covers all three.
+    copy_tile_async::<F, N>(
+        q,
+        (b * q.stride(0) + h * q.stride(1)) / nv,
+        q.stride(2) / nv,
+        q0,
+        seq,
+        &mut qs,
+        0usize,
+        bq,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    copy_tile_async::<F, N>(
+        k, k_base, k_rs, 0usize, seq, &mut ks, 0usize, bk, d, ldt, nv, nthreads,
+    );
+    copy_tile_async::<F, N>(
+        v, v_base, v_rs, 0usize, seq, &mut vs, 0usize, bk, d, ldt, nv, nthreads,
+    );
+
+    let mut o_acc = zero_frags(comptime!(m_tiles * d / 8));
+    let mut s_acc = zero_frags(comptime!(m_tiles * MMA_KEYS / 8));
+    let mut p = Array::<f32>::new(comptime!(m_tiles * MMA_KEYS / 2));
+    let mut m_run = Array::<f32>::new(comptime!(2 * m_tiles));
+    let mut l_run = Array::<f32>::new(comptime!(2 * m_tiles));
+    #[unroll]
+    for i in 0..comptime!(2 * m_tiles) {
+        m_run[i] = f32::new(-1.0e30);
+        l_run[i] = f32::new(0.0);
+    }
+
+    let mut q_end = q0 + bq;
+    if seq < q_end {
+        q_end = seq;
+    }
+    let n_kb = (q_end + bk - 1) / bk;
+
+    for kb in 0..n_kb {
+        let k0 = kb * bk;
+        let krow0 = (kb % 2) * bk;
+        bar.commit_copy_async();
+        bar.arrive_and_wait();
+        if kb + 1 < n_kb {
+            let nrow0 = bk - krow0;
+            copy_tile_async::<F, N>(
+                k,
+                k_base,
+                k_rs,
+                k0 + bk,
+                seq,
+                &mut ks,
+                nrow0,
+                bk,
+                d,
+                ldt,
+                nv,
+                nthreads,
+            );
+            copy_tile_async::<F, N>(
+                v,
+                v_base,
+                v_rs,
+                k0 + bk,
+                seq,
+                &mut vs,
+                nrow0,
+                bk,
+                d,
+                ldt,
+                nv,
+                nthreads,
+            );
+        }
+        // Warps whose rows all precede the block see none of its keys (warp-uniform).
+        if k0 < row0 + rows_w {
+            fwd_block::<F, N>(
+                &qs, &ks, &vs, krow0, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
+                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
+                ldt, nv,
+            );
+        }
+    }
+
+    write_fwd_out::<F>(
+        o, lse, &o_acc, &m_run, &mut l_run, b, h, row0, r_lo, r_hi, c_lo, seq, m_tiles, d_tiles,
+    );
+}
+
+/// Launches the Mma forward into `o`, `lse` (allocated by the caller with the usual shapes;
+/// `o` may have any strides with a unit last one, e.g. the `[B, S, H, D]` memory order of
+/// `flash.rs`'s `FlashLayout::Bshd`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch_forward<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -964,32 +1205,68 @@ pub(super) fn launch_forward<R: CubeRuntime>(
     let client = q.client.clone();
     let dtype = q.dtype;
     let nv = vector_width(&[&q, &k, &v]);
+    // cp.async copies 4, 8 or 16 bytes: 2-byte elements need vectors of 2 or more (always the
+    // case for contiguous inputs); narrower ones fall back to the plain kernel, as the
+    // backward does.
+    let async_copy = tiling.cp_async && nv >= 2;
+    if async_copy {
+        assert!(
+            mma_async_supported(&client),
+            "flash attention (Mma): {tiling} needs cp.async and cube barriers (sm_80+)"
+        );
+    }
     let n_blocks = seq.div_ceil(tiling.rows()) as u32;
     let count = CubeCount::Static(heads_q as u32, n_blocks, batch as u32);
+    let dim = CubeDim::new_1d(32 * tiling.warps as u32);
     // SAFETY: global reads are guarded by `seq` (rows past it are zero-filled in shared
     // memory), writes by `row < seq`; shared indices stay inside the comptime-sized tiles
     // (ldmatrix rows are 16-byte aligned: pitches of d + 8 elements, columns multiples of 8).
+    // The cp.async copies are `2 * nv` bytes at `nv`-aligned global offsets (`vector_width`)
+    // and 16-byte aligned shared rows.
     unsafe {
-        flash_fwd_mma::launch_unchecked::<R>(
-            &client,
-            count,
-            CubeDim::new_1d(32 * tiling.warps as u32),
-            nv,
-            q.into_tensor_arg(),
-            k.into_tensor_arg(),
-            v.into_tensor_arg(),
-            o.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            scale,
-            seq as u32,
-            group as u32,
-            n_blocks,
-            head_dim,
-            nv,
-            tiling.warps,
-            tiling.m_tiles,
-            dtype.into(),
-        );
+        if async_copy {
+            flash_fwd_mma_cp::launch_unchecked::<R>(
+                &client,
+                count,
+                dim,
+                nv,
+                q.into_tensor_arg(),
+                k.into_tensor_arg(),
+                v.into_tensor_arg(),
+                o.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                scale,
+                seq as u32,
+                group as u32,
+                n_blocks,
+                head_dim,
+                nv,
+                tiling.warps,
+                tiling.m_tiles,
+                dtype.into(),
+            );
+        } else {
+            flash_fwd_mma::launch_unchecked::<R>(
+                &client,
+                count,
+                dim,
+                nv,
+                q.into_tensor_arg(),
+                k.into_tensor_arg(),
+                v.into_tensor_arg(),
+                o.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                scale,
+                seq as u32,
+                group as u32,
+                n_blocks,
+                head_dim,
+                nv,
+                tiling.warps,
+                tiling.m_tiles,
+                dtype.into(),
+            );
+        }
     }
 }
 
