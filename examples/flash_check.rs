@@ -53,9 +53,9 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::Runtime;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use smp_burn::cuda::flash::{
-    FlashVariant, MmaBwdTiling, MmaTiling, cmma_supported, flash_backward_with, flash_forward_with,
-    mma_bwd_tiling, mma_fragment_probe, mma_supported, mma_tiling, set_mma_bwd_tiling,
-    set_mma_tiling,
+    FlashLayout, FlashVariant, MmaBwdTiling, MmaTiling, cmma_supported, flash_backward_with,
+    flash_forward_with, flash_layout, mma_bwd_tiling, mma_fragment_probe, mma_supported,
+    mma_tiling, set_flash_layout, set_mma_bwd_tiling, set_mma_tiling,
 };
 
 type G = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -247,10 +247,23 @@ fn errors(a: &[f32], b: &[f32]) -> (f32, f32) {
 /// The label of a variant in the output: `plain`, `cmma`, or `mma[WxM,BWD]` with the Mma
 /// forward and backward tilings currently set.
 fn variant_name(v: FlashVariant) -> String {
-    match v {
+    let name = match v {
         FlashVariant::Mma => format!("mma[{},{}]", mma_tiling(), mma_bwd_tiling()),
         other => other.name().to_string(),
-    }
+    };
+    format!("{name}/{}", flash_layout().name())
+}
+
+/// Whether `t` (logical `[B, H, S, D]`) lies in memory in `layout`'s order.
+fn in_layout(t: &Ct, layout: FlashLayout) -> bool {
+    let sh = t.meta.shape();
+    let (h, s, d) = (sh[1], sh[2], sh[3]);
+    let want = match layout {
+        FlashLayout::Bhsd => [h * s * d, s * d, d, 1],
+        FlashLayout::Bshd => [s * h * d, d, h * d, 1],
+    };
+    // Size-1 dimensions may carry any stride.
+    (0..4).all(|i| sh[i] == 1 || t.meta.strides()[i] == want[i])
 }
 
 /// Runs the Mma fragment helpers on exact small-integer products and compares with the host.
@@ -354,15 +367,25 @@ fn check_case(
     s: usize,
     d: usize,
     q_gain: f32,
+    bshd_inputs: bool,
 ) -> bool {
     let tol = if dtype == DType::F32 { 1e-3 } else { 2e-2 };
     let scale = 1.0 / (d as f32).sqrt();
-    let rnd = |h: usize| {
-        Tensor::<G, 4>::random([b, h, s, d], Distribution::Normal(0.0, 1.0), dev).cast(dtype)
+    // With `bshd_inputs`, every input is a [b, s, h, d] tensor viewed as [b, h, s, d] (the
+    // model's reshape + swap_dims; the flash backward's d_o arrives so under FlashLayout::Bshd).
+    let rnd = |h: usize, gain: f32| {
+        // The view last: elementwise ops may return contiguous results.
+        if bshd_inputs {
+            (Tensor::<G, 4>::random([b, s, h, d], Distribution::Normal(0.0, 1.0), dev) * gain)
+                .cast(dtype)
+                .swap_dims(1, 2)
+        } else {
+            (Tensor::<G, 4>::random([b, h, s, d], Distribution::Normal(0.0, 1.0), dev) * gain)
+                .cast(dtype)
+        }
     };
-    let q = (Tensor::<G, 4>::random([b, hq, s, d], Distribution::Normal(0.0, 1.0), dev) * q_gain)
-        .cast(dtype);
-    let (k, v, d_o) = (rnd(hkv), rnd(hkv), rnd(hq));
+    let q = rnd(hq, q_gain);
+    let (k, v, d_o) = (rnd(hkv, 1.0), rnd(hkv, 1.0), rnd(hq, 1.0));
     let want = reference(to_cpu(&q), to_cpu(&k), to_cpu(&v), to_cpu(&d_o), scale);
 
     let (o, lse) = flash_forward_with(
@@ -382,6 +405,8 @@ fn check_case(
         prim(d_o),
         scale,
     );
+    let layout = flash_layout();
+    let layout_ok = [&o, &dq, &dk, &dv].iter().all(|t| in_layout(t, layout));
     let got = [
         ("O", host(wrap::<4>(o)), &want.o),
         ("lse", host(wrap::<3>(lse)), &want.lse),
@@ -394,8 +419,24 @@ fn check_case(
     } else {
         format!("B{b}_Hq{hq}_Hkv{hkv}_S{s}_D{d}_q*{q_gain}")
     };
+    let shape = if bshd_inputs {
+        format!("{shape}_in-bshd")
+    } else {
+        shape
+    };
     let dname = format!("{dtype:?}").to_lowercase();
-    let mut all_ok = true;
+    let mut all_ok = layout_ok;
+    if !layout_ok {
+        println!(
+            "FAIL {:26} {dname:4} {shape:26}: outputs not in the {} memory order",
+            variant_name(variant),
+            layout.name()
+        );
+        println!(
+            "RESULT|check|{}|{dname}|{shape}|layout|0|0|false",
+            variant_name(variant)
+        );
+    }
     for (name, a, r) in got {
         let (abs, rel) = errors(&a, r);
         // An absolute floor for references that are zero up to rounding (S = 1: dS = 0, so
@@ -580,22 +621,32 @@ fn main() {
         if variants.contains(&FlashVariant::Mma) && !mma_probe(&dev) {
             failures += 1;
         }
-        for &(variant, tilings) in &runs {
-            set_tilings(tilings);
-            for &(b, hq, hkv, s, d, gain) in &shapes {
-                if !check_case(&dev, variant, DType::BF16, b, hq, hkv, s, d, gain) {
-                    failures += 1;
+        // Every run in both output layouts (FlashLayout, SMP_BURN_FLASH_LAYOUT); under Bshd
+        // every other shape takes its inputs in the model's [b, s, h, d] order too.
+        for layout in [FlashLayout::Bshd, FlashLayout::Bhsd] {
+            set_flash_layout(Some(layout));
+            let bshd = layout == FlashLayout::Bshd;
+            for &(variant, tilings) in &runs {
+                set_tilings(tilings);
+                for (i, &(b, hq, hkv, s, d, gain)) in shapes.iter().enumerate() {
+                    let view = bshd && i % 2 == 1;
+                    if !check_case(&dev, variant, DType::BF16, b, hq, hkv, s, d, gain, view) {
+                        failures += 1;
+                    }
+                }
+            }
+            if variants.contains(&FlashVariant::Plain) {
+                // The plain kernels also take f32; this isolates kernel logic from bf16
+                // rounding.
+                for &(b, hq, hkv, s, d) in &[(2, 4, 2, 77, 64), (1, 4, 2, 200, 128)] {
+                    let (v, f) = (FlashVariant::Plain, DType::F32);
+                    if !check_case(&dev, v, f, b, hq, hkv, s, d, 1.0, bshd) {
+                        failures += 1;
+                    }
                 }
             }
         }
-        if variants.contains(&FlashVariant::Plain) {
-            // The plain kernels also take f32; this isolates kernel logic from bf16 rounding.
-            for &(b, hq, hkv, s, d) in &[(2, 4, 2, 77, 64), (1, 4, 2, 200, 128)] {
-                if !check_case(&dev, FlashVariant::Plain, DType::F32, b, hq, hkv, s, d, 1.0) {
-                    failures += 1;
-                }
-            }
-        }
+        set_flash_layout(None);
         if failures == 0 {
             println!("flash_check: all checks passed");
         } else {

@@ -61,6 +61,7 @@ use cubecl::Runtime;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::CubeDim;
 use smp_burn::cuda::CudaCube;
+use smp_burn::cuda::flash::{FlashLayout, flash_layout, set_flash_layout};
 use smp_burn::cuda::fused;
 use smp_burn::fast::{FastPaths, set_fast_paths};
 use smp_burn::ops;
@@ -304,10 +305,16 @@ fn check_swiglu(quick: bool) -> bool {
 fn check_rope(quick: bool) -> bool {
     let mut ok = true;
     let initial = fused::legacy_kernels();
-    for (suffix, legacy) in VARIANTS {
-        fused::set_legacy_kernels(legacy);
-        ok &= check_rope_variant(quick, &format!("rope{suffix}"));
+    // The RoPE backward writes dx in x's dimension order under FlashLayout::Bshd (the
+    // default) and contiguous under Bhsd (SMP_BURN_FLASH_LAYOUT): both are checked.
+    for layout in [FlashLayout::Bshd, FlashLayout::Bhsd] {
+        set_flash_layout(Some(layout));
+        for (suffix, legacy) in VARIANTS {
+            fused::set_legacy_kernels(legacy);
+            ok &= check_rope_variant(quick, &format!("rope{suffix}/{}", layout.name()));
+        }
     }
+    set_flash_layout(None);
     fused::set_legacy_kernels(initial);
     ok
 }
@@ -339,7 +346,7 @@ fn check_rope_variant(quick: bool, op: &str) -> bool {
                 randn([b, h, s, d], 0.0, 1.0)
             };
             let g = randn([b, h, s, d], 0.0, 1.0);
-            let case = |dt: DType, _fast: bool| -> Named {
+            let case = |dt: DType, fast: bool| -> Named {
                 let xa = Tensor::<Ad, 4>::from_inner(x.clone().cast(dtype).cast(dt)).require_grad();
                 let view = |t: Tensor<Ad, 4>| if strided { t.swap_dims(1, 2) } else { t };
                 let y = ops::rope(
@@ -350,13 +357,25 @@ fn check_rope_variant(quick: bool, op: &str) -> bool {
                 let grads = (y.clone().cast(DType::F32) * Tensor::from_inner(g.clone()))
                     .sum()
                     .backward();
+                let dx = xa.grad(&grads).expect("dx");
+                // Under Bshd the fused backward writes dx in x's order, so the gradient of
+                // the [b, s, h, d] leaf comes back through swap_dims without a copy: contiguous.
+                if fast && strided && flash_layout() == FlashLayout::Bshd {
+                    let prim = dx.clone().into_primitive().tensor();
+                    assert!(
+                        prim.is_contiguous(),
+                        "{op}: dx of the strided case not in x's order: shape {:?} strides {:?}",
+                        prim.meta.shape(),
+                        prim.meta.strides()
+                    );
+                }
                 let xp = x.clone().cast(dtype).cast(dt);
                 let xp = if strided { xp.swap_dims(1, 2) } else { xp };
                 let plain = ops::rope(xp, cos.clone(), sin.clone());
                 vec![
                     ("y", host(y.inner())),
                     ("y_plain", host(plain)),
-                    ("dx", host(xa.grad(&grads).expect("dx"))),
+                    ("dx", host(dx)),
                 ]
             };
             ok &= compare(

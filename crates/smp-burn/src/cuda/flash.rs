@@ -51,10 +51,12 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::ops::permute;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::MmaConfig;
 use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
+use std::sync::Mutex;
 
 #[path = "flash_mma.rs"]
 pub mod flash_mma;
@@ -97,6 +99,94 @@ pub enum FlashVariant {
 /// Environment variable that picks the variant of the model path ([`flash_forward`],
 /// [`flash_backward`]): `plain`, `cmma` or `mma`; unset means [`FlashVariant::best`].
 pub const FLASH_VARIANT_ENV: &str = "SMP_BURN_FLASH";
+
+/// Memory order of the `[B, H, S, D]` tensors the kernels write: the forward's `o` and the
+/// backward's `dq`, `dk`, `dv` (and, through [`flash_layout`], the RoPE backward's `dx` in
+/// `fused.rs`). The shape Burn sees is `[B, H, S, D]` either way; only the strides differ. The
+/// kernels index every output through its strides, so both are the same computation.
+///
+/// Why: the model projects to `[B, S, H * D]`, views it as `[B, H, S, D]` with
+/// `reshape` + `swap_dims(1, 2)`, and after attention goes back with `swap_dims(1, 2)` +
+/// `reshape`. A contiguous `[B, H, S, D]` result makes that `reshape` (and the gradients' on the
+/// way back) a copy kernel: one per layer after the forward and three after the backward, ~47
+/// us each on an H200 at the 1b shape. Written in `[B, S, H, D]` order, the swapped view is
+/// contiguous and the reshape free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FlashLayout {
+    /// Contiguous `[B, H, S, D]` (strides `[H S D, S D, D, 1]`): the original layout.
+    Bhsd,
+    /// `[B, S, H, D]` memory order returned as a `[B, H, S, D]` tensor with strides
+    /// `[S H D, D, H D, 1]`: what the model's `swap_dims(1, 2).reshape(..)` wants.
+    Bshd,
+}
+
+/// Environment variable for [`flash_layout`]: `bshd` or `bhsd`.
+pub const FLASH_LAYOUT_ENV: &str = "SMP_BURN_FLASH_LAYOUT";
+
+impl FlashLayout {
+    /// The default: [`FlashLayout::Bshd`] (the kernels were already stride-generic, so only the
+    /// allocation changes). Not yet measured on a GPU.
+    pub const DEFAULT: FlashLayout = FlashLayout::Bshd;
+
+    /// The lower-case name [`FLASH_LAYOUT_ENV`] takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashLayout::Bhsd => "bhsd",
+            FlashLayout::Bshd => "bshd",
+        }
+    }
+
+    /// Parses [`Self::name`]'s output.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "bhsd" => Some(FlashLayout::Bhsd),
+            "bshd" => Some(FlashLayout::Bshd),
+            _ => None,
+        }
+    }
+
+    /// An uninitialized (or, through `alloc`, zeroed) tensor of logical shape `[B, H, S, D]`
+    /// in this layout: `alloc` allocates a contiguous tensor of the shape it is given (the
+    /// memory order), which is then viewed as `[B, H, S, D]` by permuting its metadata.
+    pub(crate) fn alloc<R: CubeRuntime>(
+        self,
+        shape: [usize; 4],
+        alloc: impl FnOnce(Shape) -> CubeTensor<R>,
+    ) -> CubeTensor<R> {
+        let [b, h, s, d] = shape;
+        match self {
+            FlashLayout::Bhsd => alloc(Shape::new(shape)),
+            // [B, S, H, D] contiguous, dims 1 and 2 swapped: strides [S H D, D, H D, 1].
+            FlashLayout::Bshd => permute(alloc(Shape::new([b, s, h, d])), &[0, 2, 1, 3]),
+        }
+    }
+}
+
+/// Process-wide override of the layout; `None` means "from the environment".
+static LAYOUT_OVERRIDE: Mutex<Option<FlashLayout>> = Mutex::new(None);
+
+/// The layout the flash kernels (and the RoPE backward) write their `[B, H, S, D]` results
+/// in: the last [`set_flash_layout`], else [`FLASH_LAYOUT_ENV`], else
+/// [`FlashLayout::DEFAULT`].
+///
+/// # Panics
+/// If the environment variable names no layout (a silent fallback would measure the wrong
+/// thing).
+pub fn flash_layout() -> FlashLayout {
+    if let Some(l) = *LAYOUT_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()) {
+        return l;
+    }
+    match std::env::var(FLASH_LAYOUT_ENV) {
+        Ok(s) => FlashLayout::parse(&s)
+            .unwrap_or_else(|| panic!("{FLASH_LAYOUT_ENV}={s:?}: expected bshd or bhsd")),
+        Err(_) => FlashLayout::DEFAULT,
+    }
+}
+
+/// Overrides [`flash_layout`] for this process (`None`: back to the environment / default).
+pub fn set_flash_layout(layout: Option<FlashLayout>) {
+    *LAYOUT_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()) = layout;
+}
 
 impl FlashVariant {
     /// The fastest variant the device can run for `dtype`, so that callers who just want
@@ -1856,7 +1946,8 @@ fn check_variant<R: CubeRuntime>(variant: FlashVariant, q: &CubeTensor<R>) {
 /// Causal flash attention forward with the model path's variant ([`FlashVariant::from_env`]:
 /// `SMP_BURN_FLASH`, else the best for the device and dtype).
 ///
-/// Returns `(o, lse)`: `o [B, Hq, S, D]` in q's dtype and `lse [B, Hq, S]` in f32, the
+/// Returns `(o, lse)`: `o [B, Hq, S, D]` in q's dtype (memory order per [`flash_layout`]) and
+/// `lse [B, Hq, S]` (contiguous) in f32, the
 /// log-sum-exp of the scaled scores per query row, which the backward needs instead of the
 /// `S x S` probabilities. `scale` is usually `1 / sqrt(D)`.
 pub fn flash_forward<R: CubeRuntime>(
@@ -1892,12 +1983,9 @@ pub fn flash_forward_with<R: CubeRuntime>(
         ..
     } = dims;
 
-    let o = empty_device_contiguous_dtype::<R>(
-        client.clone(),
-        device.clone(),
-        Shape::new([batch, heads_q, seq, head_dim]),
-        dtype,
-    );
+    let o = flash_layout().alloc([batch, heads_q, seq, head_dim], |shape| {
+        empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), shape, dtype)
+    });
     let lse = empty_device_contiguous_dtype::<R>(
         client.clone(),
         device,
@@ -1978,8 +2066,8 @@ pub fn flash_forward_with<R: CubeRuntime>(
 /// Causal flash attention backward with the model path's variant ([`FlashVariant::from_env`]).
 ///
 /// Takes the forward's inputs, its outputs `o` and `lse`, and `d_o` (the gradient of `o`);
-/// returns `(dq, dk, dv)` in the inputs' dtype, `dk`/`dv` summed over the query heads that
-/// share a kv head. Recomputes the probabilities from `lse` instead of storing them.
+/// returns `(dq, dk, dv)` in the inputs' dtype (memory order per [`flash_layout`]), `dk`/`dv`
+/// summed over the query heads that share a kv head. Recomputes the probabilities from `lse` instead of storing them.
 ///
 /// Deterministic with the default tilings. The Mma variant's `*-atomic` backward tilings
 /// ([`MmaBwdTiling`], `SMP_BURN_FLASH_MMA_BWD_TILING`) sum dQ with f32 atomics and are not
@@ -2064,24 +2152,12 @@ pub fn flash_backward_with<R: CubeRuntime>(
         Shape::new([batch, heads_q, seq]),
         DType::F32,
     );
-    let dq = empty_device_contiguous_dtype::<R>(
-        client.clone(),
-        device.clone(),
-        Shape::new(q_shape),
-        dtype,
-    );
-    let dk = empty_device_contiguous_dtype::<R>(
-        client.clone(),
-        device.clone(),
-        Shape::new([batch, heads_kv, seq, head_dim]),
-        dtype,
-    );
-    let dv = empty_device_contiguous_dtype::<R>(
-        client.clone(),
-        device,
-        Shape::new([batch, heads_kv, seq, head_dim]),
-        dtype,
-    );
+    let layout = flash_layout();
+    let alloc =
+        |shape| empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), shape, dtype);
+    let dq = layout.alloc(q_shape, alloc);
+    let dk = layout.alloc([batch, heads_kv, seq, head_dim], alloc);
+    let dv = layout.alloc([batch, heads_kv, seq, head_dim], alloc);
 
     let total_rows = batch * heads_q * seq;
     assert!(
@@ -2154,7 +2230,7 @@ pub fn flash_backward_with<R: CubeRuntime>(
             }
         }
         FlashVariant::Mma => flash_mma::launch_backward(
-            q, k, v, d_o, lse, delta, &dq, &dk, &dv, scale, q_shape, heads_kv,
+            q, k, v, d_o, lse, delta, &dq, &dk, &dv, scale, q_shape, heads_kv, layout,
         ),
         FlashVariant::Cmma => {
             let nv = vector_width(&[&q, &k, &v, &d_o]);

@@ -116,7 +116,7 @@ use cubecl::ir::{BarrierLevel, ElemType, FloatKind, OpaqueType};
 use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 
-use super::{load_tile_regs, stage_tile, store_tile_regs, vector_width};
+use super::{FlashLayout, load_tile_regs, stage_tile, store_tile_regs, vector_width};
 
 /// Keys per block of the Mma forward's inner loop.
 pub const MMA_KEYS: usize = 64;
@@ -2688,8 +2688,9 @@ pub fn mma_async_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
     features.copy_async && features.supports_type(OpaqueType::Barrier(BarrierLevel::Cube))
 }
 
-/// `dq = dq_acc * scale` rounded to `F`, element-wise over contiguous tensors of `len`
-/// elements: the last step of the [`MmaDq::Atomic`] scheme.
+/// `dq = dq_acc * scale` rounded to `F`, element-wise over the flat buffers of `len` elements
+/// (dense, with the same strides, so any shared layout): the last step of the [`MmaDq::Atomic`]
+/// scheme.
 #[cube(launch_unchecked)]
 fn flash_dq_convert<F: Float>(
     dq_acc: &Tensor<f32>,
@@ -2707,8 +2708,9 @@ fn flash_dq_convert<F: Float>(
 /// Threads per cube of [`flash_dq_convert`].
 const CONVERT_THREADS: usize = 256;
 
-/// Launches the Mma backward: writes `dq`, `dk`, `dv` (allocated contiguous by the caller) from
-/// the forward's inputs, `d_o`, `lse` and `delta = rowsum(dO * O)`.
+/// Launches the Mma backward: writes `dq`, `dk`, `dv` (allocated by the caller in `layout`; the
+/// kernels write through their strides) from the forward's inputs, `d_o`, `lse` and
+/// `delta = rowsum(dO * O)`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch_backward<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -2723,6 +2725,7 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     scale: f32,
     shape: [usize; 4],
     heads_kv: usize,
+    layout: FlashLayout,
 ) {
     let [batch, heads_q, seq, head_dim] = shape;
     let group = heads_q / heads_kv;
@@ -2749,14 +2752,13 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     }
     let n_kblocks = seq.div_ceil(tiling.keys()) as u32;
     // The f32 dQ accumulator of the fused scheme; a 1-element placeholder otherwise (the
-    // kernel's comptime `fused` removes every access to it).
+    // kernel's comptime `fused` removes every access to it). In dq's layout: both are dense
+    // with the same strides, so `flash_dq_convert`'s flat index `i` is the same element in
+    // both.
     let dq_acc = if fused {
-        zeros_client::<R>(
-            client.clone(),
-            device.clone(),
-            Shape::new([batch, heads_q, seq, head_dim]),
-            DType::F32,
-        )
+        layout.alloc([batch, heads_q, seq, head_dim], |shape| {
+            zeros_client::<R>(client.clone(), device.clone(), shape, DType::F32)
+        })
     } else {
         empty_device_contiguous_dtype::<R>(
             client.clone(),
@@ -2832,7 +2834,8 @@ pub(super) fn launch_backward<R: CubeRuntime>(
             len <= u32::MAX as usize,
             "flash attention backward (Mma): dQ too large ({len} elements)"
         );
-        // SAFETY: both tensors are contiguous with `len` elements; the kernel guards `i < len`.
+        // SAFETY: both tensors are dense buffers of `len` elements with the same strides (see
+        // `dq_acc`); the kernel guards `i < len`.
         unsafe {
             flash_dq_convert::launch_unchecked::<R>(
                 &client,

@@ -45,6 +45,7 @@ use burn::tensor::{DType, Shape, Tensor as BurnTensor, TensorPrimitive};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::{cast, into_contiguous};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::ops::permute;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::cuda::CudaRuntime;
@@ -52,6 +53,7 @@ use cubecl::prelude::*;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::CudaCube;
+use super::flash::{FlashLayout, flash_layout};
 use super::gemm::CudaAutodiff;
 
 type Cube = CubeTensor<CudaRuntime>;
@@ -405,7 +407,8 @@ fn swiglu_bwd_kernel<F: Float, N: Size>(
 /// vectors of `nv`; `half_vectors = d / 2 / nv`) with f32 tables `cos`, `sin: [seq, d]`
 /// (contiguous). Thread = one vector of pairs `(x1, x2) = (x[j..], x[d/2 + j..])`:
 /// forward `y1 = x1 cos1 - x2 sin1`, `y2 = x2 cos2 + x1 sin2`; backward (the transpose)
-/// `y1 = x1 cos1 + x2 sin2`, `y2 = x2 cos2 - x1 sin1`. `out` is contiguous.
+/// `y1 = x1 cos1 + x2 sin2`, `y2 = x2 cos2 - x1 sin1`. `out` may have any strides with a unit
+/// last one (divisible by `nv`), like `x`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn rope_kernel<F: Float, N: Size>(
@@ -446,7 +449,7 @@ fn rope_kernel<F: Float, N: Size>(
             s1[k] = sin[tb + k];
             s2[k] = sin[tb + half + k];
         }
-        let ob = row * 2 * hv;
+        let ob = (b * out.stride(0) + h * out.stride(1) + s * out.stride(2)) / nv;
         if comptime!(backward) {
             out[ob + j] = Vector::<F, N>::cast_from(x1 * c1 + x2 * s2);
             out[ob + hv + j] = Vector::<F, N>::cast_from(x2 * c2 - x1 * s1);
@@ -683,8 +686,8 @@ fn column_sum_v2_kernel<F: Float, M: Size>(
     }
 }
 
-/// Rotary embedding, version 2: the formulas and layouts of [`rope_kernel`] (`x` any strides
-/// with a unit last stride, read in vectors of `nv`; `out` contiguous `[batch, heads, seq, d]`),
+/// Rotary embedding, version 2: the formulas and layouts of [`rope_kernel`] (`x` and `out` any
+/// strides with a unit last stride, in vectors of `nv`),
 /// with two changes. Why: the legacy kernel reads the four table chunks as `4 * nv` scalar loads
 /// per thread (32 for bf16) for one head, so its loads are mostly table traffic (1.2-1.4 TB/s on
 /// an H200). Here the tables are read in vectors of `mv` f32 (16 bytes), once per thread, and
@@ -722,7 +725,6 @@ fn rope_v2_kernel<F: Float, N: Size, M: Size>(
     let s = bs % seq as usize;
     let b = bs / seq as usize;
     let nh = heads as usize;
-    let ns = seq as usize;
     // The heads' loads first (raw), so that they are all in flight at once.
     let xb = (b * x.stride(0) + s * x.stride(2)) / nv + j;
     let hs = x.stride(1) / nv;
@@ -759,9 +761,10 @@ fn rope_v2_kernel<F: Float, N: Size, M: Size>(
             s2[q * mv + l] = sb[l];
         }
     }
-    // Output vector of (b, h, s, j) in the contiguous [batch, heads, seq, d] result.
-    let head_vectors = ns * 2 * hv;
-    let ob = (b * nh * ns + s) * 2 * hv + j;
+    // Output vector of (b, h, s, j), through `out`'s strides (contiguous, or x's dimension
+    // order for the backward; see `rope_apply_ordered`).
+    let ob = (b * out.stride(0) + s * out.stride(2)) / nv + j;
+    let head_vectors = out.stride(1) / nv;
     #[unroll]
     for k in 0..hpt {
         let h = hg * hpt + k;
@@ -1282,6 +1285,59 @@ pub fn rope_apply<R: CubeRuntime>(
     sin: &CubeTensor<R>,
     backward: bool,
 ) -> CubeTensor<R> {
+    rope_apply_ordered(x, cos, sin, backward, None)
+}
+
+/// The order of the dimensions of a tensor with `strides` from outermost to innermost (largest
+/// stride first; ties keep the logical order), when the last dimension is the innermost;
+/// `None` otherwise (then a contiguous result is as good as any).
+fn dim_order(strides: &[usize]) -> Option<Vec<usize>> {
+    let n = strides.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    // Stable: equal strides (size-1 dimensions) keep their logical order.
+    order.sort_by(|&a, &b| strides[b].cmp(&strides[a]));
+    (order.last() == Some(&(n - 1))).then_some(order)
+}
+
+/// An uninitialized dense tensor of `shape` whose dimensions lie in memory in `order`
+/// (outermost first; [`dim_order`]): a contiguous allocation of the permuted shape, viewed back
+/// as `shape` by permuting its metadata.
+fn empty_ordered<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    shape: &Shape,
+    order: &[usize],
+    dtype: DType,
+) -> CubeTensor<R> {
+    let mem_shape = Shape::from(order.iter().map(|&i| shape[i]).collect::<Vec<_>>());
+    let t = empty_device_contiguous_dtype(client.clone(), device.clone(), mem_shape, dtype);
+    // Memory dimension p holds logical dimension order[p]; logical dimension j is memory
+    // dimension inv[j].
+    let mut inv = vec![0usize; order.len()];
+    for (p, &j) in order.iter().enumerate() {
+        inv[j] = p;
+    }
+    permute(t, &inv)
+}
+
+/// [`rope_apply`] with the result's memory order chosen: `like = Some(strides)` gives it the
+/// dimension order of a tensor with those strides (dense; contiguous when the last dimension
+/// is not the innermost there), `None` a contiguous result.
+///
+/// Why: the RoPE backward's input `x` is the model's `[B, S, H, D]` projection viewed as
+/// `[B, H, S, D]` (swapped strides). A contiguous `dx` makes the gradient's way back
+/// (`swap_dims(1, 2)` + `reshape` to `[B, S, H * D]`) a copy kernel per tensor and layer; `dx`
+/// in x's order makes it a view.
+///
+/// # Panics
+/// As [`rope_apply`], and if `like` does not have 4 strides.
+pub fn rope_apply_ordered<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    cos: &CubeTensor<R>,
+    sin: &CubeTensor<R>,
+    backward: bool,
+    like: Option<&[usize]>,
+) -> CubeTensor<R> {
     let shape = x.meta.shape().clone();
     assert!(
         shape.num_dims() == 4,
@@ -1311,8 +1367,21 @@ pub fn rope_apply<R: CubeRuntime>(
         x
     };
     check_u32("rope", &x);
-    let out =
-        empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), shape.clone(), x.dtype);
+    if let Some(like) = like {
+        assert!(
+            like.len() == 4,
+            "rope: `like` needs 4 strides, got {like:?}"
+        );
+    }
+    let out = match like.and_then(dim_order) {
+        Some(order) => empty_ordered(&x.client, &x.device, &shape, &order, x.dtype),
+        None => empty_device_contiguous_dtype(
+            x.client.clone(),
+            x.device.clone(),
+            shape.clone(),
+            x.dtype,
+        ),
+    };
     let half = d / 2;
     let nv = vector_width(&[&x, &out], half);
     let half_vectors = half / nv;
@@ -1523,8 +1592,9 @@ pub fn swiglu_plain<const D: usize>(
 struct RopeBackward;
 
 impl Backward<CudaCube, 1> for RopeBackward {
-    /// The f32 tables.
-    type State = (Cube, Cube);
+    /// The f32 tables and x's strides (`dx` is written in x's dimension order under
+    /// [`FlashLayout::Bshd`]; see [`rope_apply_ordered`]).
+    type State = (Cube, Cube, [usize; 4]);
 
     fn backward(
         self,
@@ -1534,9 +1604,12 @@ impl Backward<CudaCube, 1> for RopeBackward {
     ) {
         let [node_x] = ops.parents;
         let dy = grads.consume::<CudaCube>(&ops.node);
-        let (cos, sin) = ops.state;
+        let (cos, sin, x_strides) = ops.state;
         if let Some(node) = node_x {
-            grads.register::<CudaCube>(node.id, rope_apply(dy, &cos, &sin, true));
+            // The same switch as the flash kernels' output layout: both remove the copies
+            // around the model's `swap_dims(1, 2)` + `reshape`, and A/B runs flip them together.
+            let like = (flash_layout() == FlashLayout::Bshd).then_some(&x_strides[..]);
+            grads.register::<CudaCube>(node.id, rope_apply_ordered(dy, &cos, &sin, true, like));
         }
     }
 }
@@ -1558,8 +1631,10 @@ pub fn rope_autodiff(
         .stateful()
     {
         OpsKind::Tracked(prep) => {
+            let st = x.primitive.meta.strides();
+            let x_strides = [st[0], st[1], st[2], st[3]];
             let y = rope_apply(x.primitive, &cos, &sin, false);
-            prep.finish((cos, sin), y)
+            prep.finish((cos, sin, x_strides), y)
         }
         OpsKind::UnTracked(prep) => prep.finish(rope_apply(x.primitive, &cos, &sin, false)),
     };
