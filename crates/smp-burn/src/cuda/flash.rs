@@ -7,7 +7,9 @@
 //! Layout: `q [B, Hq, S, D]`, `k`, `v [B, Hkv, S, D]` with `Hq % Hkv == 0` (grouped-query
 //! attention: query head `h` reads kv head `h / (Hq / Hkv)`), `D` in {64, 128}, any `S >= 1`,
 //! causal (query `i` sees keys `j <= i`). The last dimension must be contiguous; the other
-//! strides are read from the tensors, so pitched or sliced inputs work.
+//! strides are read from the tensors, so pitched or sliced inputs work. Outputs are written
+//! through their strides too; [`FlashLayout`] picks their memory order (by default the
+//! model's `[B, S, H, D]`, so that its `swap_dims(1, 2).reshape(..)` costs no copy).
 //!
 //! Algorithm (FlashAttention-2):
 //! - forward: one cube per (block of query rows, query head, batch); it walks the key blocks up

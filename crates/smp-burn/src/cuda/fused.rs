@@ -22,7 +22,9 @@
 //! - RoPE (Hugging Face's `rotate_half` layout): each thread rotates a vector of pairs
 //!   `(x[j], x[j + d/2])`. The input may be strided (the model feeds `reshape + swap_dims`
 //!   views); only its last dimension must be contiguous, otherwise it is copied first. The
-//!   output is contiguous. The backward is the transposed rotation, written for general tables
+//!   forward's output is contiguous; the backward's `dx` is written in x's dimension order
+//!   under `flash::FlashLayout::Bshd` (the default; contiguous under `Bhsd`), so the model's
+//!   gradient path back to `[B, S, H * D]` needs no copy. The backward is the transposed rotation, written for general tables
 //!   (with Hugging Face's tables, whose two halves are equal, it is the rotation by `-sin`).
 //!   The default (version-2) kernel reads the tables in 16-byte vectors once per thread and
 //!   applies them to four heads at the same position.
