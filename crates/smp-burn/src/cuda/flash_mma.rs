@@ -142,10 +142,11 @@ pub struct MmaTiling {
 }
 
 impl MmaTiling {
-    /// 8 warps of 16 rows (128 query rows per cube): the fastest forward at S = 4096 on an
-    /// H200 (175 TFLOP/s, causal hd 128; 4x1 149, 4x2 164, 8x2 161), within 1 % of the best
-    /// (8x2) at S = 16384. The `-cp` tilings are not measured yet.
-    pub const DEFAULT: MmaTiling = MmaTiling::new(8, 1, false);
+    /// 8 warps of 2 x 16 rows (256 query rows per cube), K/V by `cp.async`: the fastest forward
+    /// on an H200 (session 4 call W, causal hd 128): 219 TFLOP/s at S = 4096 and 262 at 16384,
+    /// where the register-prefetching 8x1 (the previous default) gives 170-176 / 190 and the
+    /// other `-cp` tilings 191-209 at 4096.
+    pub const DEFAULT: MmaTiling = MmaTiling::new(8, 2, true);
 
     /// Every supported tiling, for checks and benchmarks; the `cp.async` ones last (as in
     /// [`MmaBwdTiling::ALL`], so that a failure there leaves the others' results printed).
