@@ -983,4 +983,22 @@ mod tests {
         );
         assert_eq!(decay_runs(&l, 8..10), vec![(0..2, false)]);
     }
+
+    /// The runs the gradient norm weighs (tensor parallelism counts replicated parameters
+    /// `1 / tp`): equal weights merge across parameters, padding gets its own key.
+    #[test]
+    fn weighted_runs_follow_parameters() {
+        // Two matrices (6 + 6), two vectors (4 + 4): 20 elements padded to 21 for 3 ranks.
+        let l = layout(&[&[2, 3], &[3, 2], &[4], &[4]], 3);
+        let weight = |p: &FlatParam| if p.shape.len() >= 2 { 1.0f32 } else { 0.5 };
+        assert_eq!(
+            param_runs(&l, l.shard_range(1, 3), &weight, 0.0),
+            vec![(0..5, 1.0), (5..7, 0.5)]
+        );
+        assert_eq!(
+            param_runs(&l, l.shard_range(2, 3), &weight, 0.0),
+            vec![(0..6, 0.5), (6..7, 0.0)]
+        );
+        assert_eq!(param_runs(&l, 0..21, &|_| 1.0f32, 1.0), vec![(0..21, 1.0)]);
+    }
 }

@@ -24,6 +24,7 @@ use std::ops::Range;
 use burn_cubecl::tensor::CubeTensor;
 
 use super::flat::view;
+use super::fused::cube_sum;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 
@@ -92,23 +93,6 @@ fn adamw_kernel(
     }
 }
 
-/// Sum of `value` over the cube, valid in unit 0: a plane (warp) sum, then the planes' totals in
-/// plane order, so the result does not depend on scheduling.
-#[cube]
-fn cube_total(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
-    let plane_total = plane_sum(value);
-    if UNIT_POS_PLANE == 0 {
-        scratch[PLANE_POS as usize] = plane_total;
-    }
-    sync_cube();
-    let planes = (CUBE_DIM + PLANE_DIM - 1) / PLANE_DIM;
-    let mut total = f32::new(0.0);
-    for i in 0..planes as usize {
-        total += scratch[i];
-    }
-    total
-}
-
 /// First pass: cube `c` writes `weight * sum(x[i]^2)` over its grid-stride share of `x` to
 /// `partials[first + c]`. With `square = false` it sums `x` itself (the second pass, over the
 /// partials).
@@ -153,7 +137,7 @@ fn sq_sum_kernel(
         }
         i += s;
     }
-    let total = cube_total((a0 + a1) + (a2 + a3), &mut scratch);
+    let total = cube_sum((a0 + a1) + (a2 + a3), &mut scratch);
     if UNIT_POS == 0 {
         partials[first as usize + CUBE_POS] = total * weight;
     }

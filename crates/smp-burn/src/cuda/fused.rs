@@ -126,7 +126,7 @@ pub fn set_legacy_kernels(on: bool) {
 /// the planes' totals through `scratch` in plane order, so the result is reproducible. Ends with
 /// a barrier, so `scratch` may be reused right away.
 #[cube]
-fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
+pub(crate) fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
     let plane_total = plane_sum(value);
     if UNIT_POS_PLANE == 0 {
         scratch[PLANE_POS as usize] = plane_total;
