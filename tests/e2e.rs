@@ -3,123 +3,20 @@
 //!
 //! Every run is short (a few steps of 4 x 32 tokens), so the whole file takes seconds.
 
-use std::error::Error;
-use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
-
-use burn::backend::Autodiff;
-use burn_ndarray::NdArray;
-use collectives::{CommOptions, Communicator, run_on_threads};
 use llama::LlamaConfig;
-use llama::data::{DataSource, load_texts};
 use llama::hf;
-use llama::tokenizer::TextTokenizer;
-use llama::train::{self, Prepared, RankGroups, Summary, TrainConfig};
+use llama::train::{self, Summary, TrainConfig};
 use smp_burn::fsdp::AdamW;
 
-type Cpu = Autodiff<NdArray<f32>>;
+use smp_burn_tests::trainer::{Fixture, train, try_train};
 
-/// A temporary directory holding a ~200 KB slice of the corpus and a tokenizer trained on it
-/// (vocabulary 300), shared by the runs of one test so that they see the same token ids.
-struct Fixture {
-    dir: tempfile::TempDir,
-    data: PathBuf,
-    tokenizer: PathBuf,
-}
-
-impl Fixture {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let corpus = load_texts(&DataSource::Embedded, "text")
-            .expect("embedded corpus")
-            .remove(0);
-        // Skip the Project Gutenberg header: start 1 MB in, at a line boundary.
-        let start = corpus[1_000_000..].find('\n').expect("a newline") + 1_000_001;
-        let mut end = start + 200_000;
-        while !corpus.is_char_boundary(end) {
-            end += 1;
-        }
-        let text = &corpus[start..end];
-        let data = dir.path().join("corpus.txt");
-        std::fs::write(&data, text).expect("write corpus");
-        let tokenizer = dir.path().join("tokenizer.json");
-        TextTokenizer::train_byte_level_bpe([text], 300)
-            .expect("train tokenizer")
-            .save(&tokenizer)
-            .expect("save tokenizer");
-        Self {
-            dir,
-            data,
-            tokenizer,
-        }
+/// A short run of the tiny model: 6 steps, 2 of warmup.
+fn config(fx: &Fixture, name: &str) -> TrainConfig {
+    TrainConfig {
+        steps: 6,
+        warmup_steps: 2,
+        ..fx.base_config(name)
     }
-
-    /// A short run of the tiny model writing to `<tempdir>/<name>`.
-    fn config(&self, name: &str) -> TrainConfig {
-        TrainConfig {
-            model: "tiny".into(),
-            vocab_size: 300,
-            seq_len: 32,
-            micro_batch: 4,
-            steps: 6,
-            warmup_steps: 2,
-            data: self.data.to_string_lossy().into_owned(),
-            tokenizer: Some(self.tokenizer.clone()),
-            eval_batches: 2,
-            out_dir: self.dir.path().join(name),
-            export_hf: None,
-            sample: None,
-            progress: false,
-            ..TrainConfig::default()
-        }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-}
-
-/// One CPU rank, set up as `llama2_train` sets up its thread-ranks.
-fn cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary, Box<dyn Error>> {
-    let groups = RankGroups::over_host(world, &prepared.config.parallel)?;
-    Ok(train::train_rank::<Cpu>(
-        prepared,
-        groups,
-        &Default::default(),
-        None,
-        &|| None,
-    )?)
-}
-
-/// Prepares and trains on `world` thread-ranks; rank 0's summary, or the first rank's error.
-fn try_train(config: TrainConfig, world: usize) -> Result<Summary, String> {
-    let prepared = train::prepare(config).map_err(|e| e.to_string())?;
-    let opts = CommOptions {
-        timeout: Duration::from_secs(60),
-    };
-    let results = run_on_threads(world, opts, |comm| {
-        cpu_rank(comm, &prepared).map_err(|e| e.to_string())
-    });
-    let mut results = results.into_iter();
-    let first = results.next().expect("at least one rank");
-    for (i, r) in results.enumerate() {
-        // Every rank reports the same (data-parallel mean) losses, or fails alike.
-        match (&first, &r) {
-            (Ok(a), Ok(b)) => assert_eq!(bits(&a.losses), bits(&b.losses), "rank {} losses", i + 1),
-            (Err(_), Err(_)) => {}
-            _ => panic!("rank 0 gave {first:?} but rank {} gave {r:?}", i + 1),
-        }
-    }
-    first
-}
-
-fn train(config: TrainConfig, world: usize) -> Summary {
-    try_train(config, world).unwrap_or_else(|e| panic!("training failed: {e}"))
-}
-
-fn bits(v: &[f64]) -> Vec<u64> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// A run interrupted after 3 steps and resumed continues as if it had not stopped: the same
@@ -154,7 +51,7 @@ fn resume_matches_an_uninterrupted_run() {
             eps: 1e-3,
             ..AdamW::default()
         },
-        ..fx.config(name)
+        ..config(&fx, name)
     };
     let straight = train(base("straight", 6), 2);
     assert_eq!(straight.losses.len(), 6);
@@ -233,11 +130,11 @@ fn assert_close(got: &[f64], want: &[f64], what: &str) {
 #[test]
 fn two_ranks_match_one_rank() {
     let fx = Fixture::new();
-    let one = train(fx.config("one"), 1);
+    let one = train(config(&fx, "one"), 1);
     let two = train(
         TrainConfig {
             micro_batch: 2,
-            ..fx.config("two")
+            ..config(&fx, "two")
         },
         2,
     );
@@ -273,7 +170,7 @@ fn errors_name_the_values() {
     let fx = Fixture::new();
     let one_step = |name: &str| TrainConfig {
         steps: 1,
-        ..fx.config(name)
+        ..config(&fx, name)
     };
     train(one_step("ckpt"), 1);
 
@@ -362,7 +259,7 @@ fn hf_export_reloads() {
     let cfg = TrainConfig {
         steps: 2,
         export_hf: Some(hf_dir.clone()),
-        ..fx.config("export")
+        ..config(&fx, "export")
     };
     train(cfg.clone(), 2);
 
@@ -422,7 +319,7 @@ fn preset_parameter_counts() {
 #[test]
 fn too_small_validation_split_skips_evaluation() {
     let fx = Fixture::new();
-    let mut config = fx.config("small_val");
+    let mut config = config(&fx, "small_val");
     config.steps = 2;
     // 2% of 200 KB in 32-token windows is a few windows; 2 ranks x 64 sequences is more.
     config.micro_batch = 64;

@@ -181,3 +181,117 @@ pub fn assert_matches(reference: &RunResult, got: &RunResult, what: &str) {
         "{what}: parameters differ from 1-rank by {diff:.2e} (relative)"
     );
 }
+
+/// End-to-end runs of the trainer (`llama::train`) on thread-ranks, as `llama2_train` runs
+/// them on the CPU: a small corpus fixture and the train-and-compare-ranks driver.
+pub mod trainer {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use collectives::{CommOptions, Communicator, run_on_threads};
+    use llama::data::{DataSource, load_texts};
+    use llama::tokenizer::TextTokenizer;
+    use llama::train::{self, Prepared, RankGroups, Summary, TrainConfig};
+
+    use super::Cpu;
+
+    /// A temporary directory holding a ~200 KB slice of the corpus and a tokenizer trained on
+    /// it (vocabulary 300), shared by the runs of one test so that they see the same token ids.
+    pub struct Fixture {
+        dir: tempfile::TempDir,
+        data: PathBuf,
+        tokenizer: PathBuf,
+    }
+
+    impl Fixture {
+        /// Writes the corpus slice and trains the tokenizer.
+        #[allow(clippy::new_without_default)]
+        pub fn new() -> Self {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let corpus = load_texts(&DataSource::Embedded, "text")
+                .expect("embedded corpus")
+                .remove(0);
+            // Skip the Project Gutenberg header: start 1 MB in, at a line boundary.
+            let start = corpus[1_000_000..].find('\n').expect("a newline") + 1_000_001;
+            let mut end = start + 200_000;
+            while !corpus.is_char_boundary(end) {
+                end += 1;
+            }
+            let text = &corpus[start..end];
+            let data = dir.path().join("corpus.txt");
+            std::fs::write(&data, text).expect("write corpus");
+            let tokenizer = dir.path().join("tokenizer.json");
+            TextTokenizer::train_byte_level_bpe([text], 300)
+                .expect("train tokenizer")
+                .save(&tokenizer)
+                .expect("save tokenizer");
+            Self {
+                dir,
+                data,
+                tokenizer,
+            }
+        }
+
+        /// The tiny model on this corpus, 4 x 32 tokens per step, writing to
+        /// `<tempdir>/<name>`, without export or sample; tests set steps and schedule.
+        pub fn base_config(&self, name: &str) -> TrainConfig {
+            TrainConfig {
+                model: "tiny".into(),
+                vocab_size: 300,
+                seq_len: 32,
+                micro_batch: 4,
+                data: self.data.to_string_lossy().into_owned(),
+                tokenizer: Some(self.tokenizer.clone()),
+                eval_batches: 2,
+                out_dir: self.path(name),
+                export_hf: None,
+                sample: None,
+                progress: false,
+                ..TrainConfig::default()
+            }
+        }
+
+        /// `<tempdir>/<name>`.
+        pub fn path(&self, name: &str) -> PathBuf {
+            self.dir.path().join(name)
+        }
+    }
+
+    /// One CPU rank, set up as `llama2_train` sets up its thread-ranks.
+    fn cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary, String> {
+        let groups =
+            RankGroups::over_host(world, &prepared.config.parallel).map_err(|e| e.to_string())?;
+        train::train_rank::<Cpu>(prepared, groups, &Default::default(), None, &|| None)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Prepares and trains on `world` thread-ranks; rank 0's summary, or the first rank's
+    /// error. Every rank must report the same losses (bitwise: they are means over all ranks)
+    /// and sample, or fail alike.
+    pub fn try_train(config: TrainConfig, world: usize) -> Result<Summary, String> {
+        let prepared = train::prepare(config).map_err(|e| e.to_string())?;
+        let opts = CommOptions {
+            timeout: Duration::from_secs(60),
+        };
+        let mut results = run_on_threads(world, opts, |comm| cpu_rank(comm, &prepared)).into_iter();
+        let first = results.next().expect("at least one rank");
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (i, r) in results.enumerate() {
+            match (&first, &r) {
+                (Ok(a), Ok(b)) => {
+                    assert_eq!(bits(&a.losses), bits(&b.losses), "rank {} losses", i + 1);
+                    assert_eq!(a.sample, b.sample, "rank {} sample", i + 1);
+                }
+                (Err(_), Err(_)) => {}
+                _ => panic!("rank 0 gave {first:?} but rank {} gave {r:?}", i + 1),
+            }
+        }
+        first
+    }
+
+    /// [`try_train`], panicking on an error.
+    pub fn train(config: TrainConfig, world: usize) -> Summary {
+        try_train(config, world).unwrap_or_else(|e| panic!("training failed: {e}"))
+    }
+}

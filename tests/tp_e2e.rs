@@ -9,115 +9,29 @@
 //! magnitude. AdamW's epsilon is 1e-3 so that rounding noise in near-zero gradients does not
 //! become full-size updates. Names, shapes, dtypes and `config.json` must be identical.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+use std::path::Path;
 
-use burn::backend::Autodiff;
-use burn_ndarray::NdArray;
-use collectives::{CommOptions, Communicator, run_on_threads};
-use llama::data::{DataSource, load_texts};
 use llama::hf;
-use llama::tokenizer::TextTokenizer;
-use llama::train::{self, Prepared, RankGroups, Summary, TrainConfig};
+use llama::train::{self, TrainConfig};
 use smp_burn::fsdp::AdamW;
 
-type Cpu = Autodiff<NdArray<f32>>;
+use smp_burn_tests::trainer::{Fixture, train, try_train};
 
-/// A ~200 KB slice of the corpus and a 300-token tokenizer trained on it.
-struct Fixture {
-    dir: tempfile::TempDir,
-    data: PathBuf,
-    tokenizer: PathBuf,
-}
-
-impl Fixture {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let corpus = load_texts(&DataSource::Embedded, "text")
-            .expect("embedded corpus")
-            .remove(0);
-        let start = corpus[1_000_000..].find('\n').expect("a newline") + 1_000_001;
-        let mut end = start + 200_000;
-        while !corpus.is_char_boundary(end) {
-            end += 1;
-        }
-        let text = &corpus[start..end];
-        let data = dir.path().join("corpus.txt");
-        std::fs::write(&data, text).expect("write corpus");
-        let tokenizer = dir.path().join("tokenizer.json");
-        TextTokenizer::train_byte_level_bpe([text], 300)
-            .expect("train tokenizer")
-            .save(&tokenizer)
-            .expect("save tokenizer");
-        Self {
-            dir,
-            data,
-            tokenizer,
-        }
-    }
-
-    /// `steps` steps of 4 x 32 tokens at a constant learning rate, tensor-parallel over `tp`
-    /// ranks, writing to `<tempdir>/<name>`.
-    fn config(&self, name: &str, steps: u64, tp: usize) -> TrainConfig {
-        let mut c = TrainConfig {
-            model: "tiny".into(),
-            vocab_size: 300,
-            seq_len: 32,
-            micro_batch: 4,
-            steps,
-            warmup_steps: 0,
-            lr: 3e-3,
-            min_lr: 3e-3,
-            adamw: AdamW {
-                eps: 1e-3,
-                ..AdamW::default()
-            },
-            data: self.data.to_string_lossy().into_owned(),
-            tokenizer: Some(self.tokenizer.clone()),
-            eval_batches: 2,
-            out_dir: self.dir.path().join(name),
-            export_hf: None,
-            sample: None,
-            progress: false,
-            ..TrainConfig::default()
-        };
-        c.parallel.tensor_parallel_degree = tp;
-        c
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-}
-
-fn cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary, String> {
-    let groups =
-        RankGroups::over_host(world, &prepared.config.parallel).map_err(|e| e.to_string())?;
-    train::train_rank::<Cpu>(prepared, groups, &Default::default(), None, &|| None)
-        .map_err(|e| e.to_string())
-}
-
-/// Trains on `world` thread-ranks; rank 0's summary or the first error. Every rank must
-/// report the same losses (they are means over all ranks).
-fn try_train(config: TrainConfig, world: usize) -> Result<Summary, String> {
-    let prepared = train::prepare(config).map_err(|e| e.to_string())?;
-    let opts = CommOptions {
-        timeout: Duration::from_secs(60),
+/// `steps` steps of 4 x 32 tokens at a constant learning rate, tensor-parallel over `tp` ranks.
+fn config(fx: &Fixture, name: &str, steps: u64, tp: usize) -> TrainConfig {
+    let mut c = TrainConfig {
+        steps,
+        warmup_steps: 0,
+        lr: 3e-3,
+        min_lr: 3e-3,
+        adamw: AdamW {
+            eps: 1e-3,
+            ..AdamW::default()
+        },
+        ..fx.base_config(name)
     };
-    let mut results = run_on_threads(world, opts, |comm| cpu_rank(comm, &prepared)).into_iter();
-    let first = results.next().expect("one rank");
-    for (i, r) in results.enumerate() {
-        if let (Ok(a), Ok(b)) = (&first, &r) {
-            assert_eq!(a.losses, b.losses, "rank {} losses", i + 1);
-            assert_eq!(a.sample, b.sample, "rank {} sample", i + 1);
-        }
-    }
-    first
-}
-
-fn train(config: TrainConfig, world: usize) -> Summary {
-    try_train(config, world).unwrap_or_else(|e| panic!("training failed: {e}"))
+    c.parallel.tensor_parallel_degree = tp;
+    c
 }
 
 fn assert_losses(got: &[f64], want: &[f64], what: &str) {
@@ -174,7 +88,7 @@ fn tp2_checkpoint_export_and_sample_match_one_rank() {
         export_dtype: "f32".into(),
         sample: Some("ROMEO:".into()),
         sample_tokens: 12,
-        ..fx.config(name, 3, tp)
+        ..config(&fx, name, 3, tp)
     };
     let one = train(with("one", 1), 1);
     let tp = train(with("tp", 2), 2);
@@ -202,15 +116,15 @@ fn tp2_checkpoint_export_and_sample_match_one_rank() {
 #[test]
 fn tp_checkpoint_resumes_in_another_layout() {
     let fx = Fixture::new();
-    let straight = train(fx.config("straight", 6, 1), 1);
-    let first = train(fx.config("split", 3, 2), 2);
+    let straight = train(config(&fx, "straight", 6, 1), 1);
+    let first = train(config(&fx, "split", 3, 2), 2);
     assert_losses(&first.losses, &straight.losses[..3], "first 3 steps, tp 2");
     // 2 data-parallel ranks of 2 rows each: the same 4-row global batch.
     let resumed = train(
         TrainConfig {
             resume: true,
             micro_batch: 2,
-            ..fx.config("split", 6, 2)
+            ..config(&fx, "split", 6, 2)
         },
         4,
     );
@@ -233,7 +147,7 @@ fn tp_errors_name_the_values() {
     let e = err(
         TrainConfig {
             seq_len: 33,
-            ..fx.config("seq", 1, 2)
+            ..config(&fx, "seq", 1, 2)
         },
         2,
     );
@@ -245,7 +159,7 @@ fn tp_errors_name_the_values() {
     let e = err(
         TrainConfig {
             seq_len: 36,
-            ..fx.config("heads", 1, 3)
+            ..config(&fx, "heads", 1, 3)
         },
         3,
     );
@@ -253,12 +167,12 @@ fn tp_errors_name_the_values() {
         e.contains("num_attention_heads 4") && e.contains("tensor_parallel_degree 3"),
         "{e}"
     );
-    let e = err(fx.config("kv", 1, 4), 4);
+    let e = err(config(&fx, "kv", 1, 4), 4);
     assert!(
         e.contains("num_key_value_heads 2") && e.contains("tensor_parallel_degree 4"),
         "{e}"
     );
-    let e = err(fx.config("world", 1, 2), 3);
+    let e = err(config(&fx, "world", 1, 2), 3);
     assert!(
         e.contains("tensor_parallel_degree 2") && e.contains("world size 3"),
         "{e}"
