@@ -1106,11 +1106,9 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
         nv,
         nthreads,
     );
-    copy_tile_async::<F, N>(
-        k, k_base, k_rs, 0usize, seq, &mut ks, 0usize, bk, d, ldt, nv, nthreads,
-    );
-    copy_tile_async::<F, N>(
-        v, v_base, v_rs, 0usize, seq, &mut vs, 0usize, bk, d, ldt, nv, nthreads,
+    copy_kv_async::<F, N>(
+        k, v, k_base, v_base, k_rs, v_rs, 0usize, seq, &mut ks, &mut vs, 0usize, bk, d, ldt, nv,
+        nthreads,
     );
 
     let mut o_acc = zero_frags(comptime!(m_tiles * d / 8));
@@ -1137,26 +1135,16 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
         bar.arrive_and_wait();
         if kb + 1 < n_kb {
             let nrow0 = bk - krow0;
-            copy_tile_async::<F, N>(
+            copy_kv_async::<F, N>(
                 k,
-                k_base,
-                k_rs,
-                k0 + bk,
-                seq,
-                &mut ks,
-                nrow0,
-                bk,
-                d,
-                ldt,
-                nv,
-                nthreads,
-            );
-            copy_tile_async::<F, N>(
                 v,
+                k_base,
                 v_base,
+                k_rs,
                 v_rs,
                 k0 + bk,
                 seq,
+                &mut ks,
                 &mut vs,
                 nrow0,
                 bk,
@@ -1294,6 +1282,36 @@ fn bwd_row_stats(
         out[1] = delta[b * delta.stride(0) + h * delta.stride(1) + qi * delta.stride(2)];
     }
     out
+}
+
+/// [`copy_tile_async`] of the same key rows of K and V (one head each) into their shared
+/// tiles: the forward and the dQ kernel stage both for every key block.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_kv_async<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    k_base: usize,
+    v_base: usize,
+    k_stride: usize,
+    v_stride: usize,
+    row0: usize,
+    seq: usize,
+    ks: &mut SharedMemory<Vector<F, N>>,
+    vs: &mut SharedMemory<Vector<F, N>>,
+    dst_row0: usize,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+    #[comptime] ld: usize,
+    #[comptime] nv: usize,
+    #[comptime] nthreads: usize,
+) {
+    copy_tile_async::<F, N>(
+        k, k_base, k_stride, row0, seq, ks, dst_row0, rows, d, ld, nv, nthreads,
+    );
+    copy_tile_async::<F, N>(
+        v, v_base, v_stride, row0, seq, vs, dst_row0, rows, d, ld, nv, nthreads,
+    );
 }
 
 /// [`stage_tile`] through `cp.async`: issues the copies of rows `row0 .. row0 + rows` (all `d`
@@ -2485,11 +2503,9 @@ fn flash_bwd_dq_mma_cp<F: Float, N: Size>(
         nv,
         nthreads,
     );
-    copy_tile_async::<F, N>(
-        k, k_base, k_rs, 0usize, seq, &mut ks, 0usize, bk, d, ldt, nv, nthreads,
-    );
-    copy_tile_async::<F, N>(
-        v, v_base, v_rs, 0usize, seq, &mut vs, 0usize, bk, d, ldt, nv, nthreads,
+    copy_kv_async::<F, N>(
+        k, v, k_base, v_base, k_rs, v_rs, 0usize, seq, &mut ks, &mut vs, 0usize, bk, d, ldt, nv,
+        nthreads,
     );
 
     let lse_r = lane_rows_f32(lse, b, h, row0, r_lo, r_hi, seq);
@@ -2513,26 +2529,16 @@ fn flash_bwd_dq_mma_cp<F: Float, N: Size>(
         bar.arrive_and_wait();
         if kb + 1 < n_kb {
             let nrow0 = bk - krow0;
-            copy_tile_async::<F, N>(
+            copy_kv_async::<F, N>(
                 k,
-                k_base,
-                k_rs,
-                k0 + bk,
-                seq,
-                &mut ks,
-                nrow0,
-                bk,
-                d,
-                ldt,
-                nv,
-                nthreads,
-            );
-            copy_tile_async::<F, N>(
                 v,
+                k_base,
                 v_base,
+                k_rs,
                 v_rs,
                 k0 + bk,
                 seq,
+                &mut ks,
                 &mut vs,
                 nrow0,
                 bk,
