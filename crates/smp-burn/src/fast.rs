@@ -251,23 +251,14 @@ pub(crate) fn linear_grads<B: Backend>(
     {
         return None;
     }
-    let prim = |t: &Tensor<B, 2>| {
-        same::<_, Tensor<CudaCube, 2>>(t.clone())
-            .into_primitive()
-            .tensor()
-    };
-    let back = |t: burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>| {
-        same::<_, Tensor<B, 2>>(Tensor::<CudaCube, 2>::from_primitive(
-            TensorPrimitive::Float(t),
-        ))
-    };
+    let prim = |t: &Tensor<B, 2>| to_cube(t.clone());
     let (dx, dw) = gemm::linear_backward(
         prim(dy),
         want_dw.then(|| prim(x)),
         want_dx.then(|| prim(w)),
         &x.shape(),
     );
-    Some((dx.map(back), dw.map(back)))
+    Some((dx.map(from_cube), dw.map(from_cube)))
 }
 
 /// Whether a float dtype is one the fused kernels take.
@@ -456,12 +447,7 @@ pub(crate) fn adamw_step<B: Backend>(
     {
         return Err(state);
     }
-    let cube = |t: Tensor<B, 1>| {
-        same::<Tensor<B, 1>, Tensor<CudaCube, 1>>(t)
-            .into_primitive()
-            .tensor()
-    };
-    let [master, exp_avg, exp_avg_sq] = state.map(cube);
+    let [master, exp_avg, exp_avg_sq] = state.map(to_cube);
     let (inv_bias1, inv_bias2) = (
         1.0 / (1.0 - opt.beta1.powi(step as i32)),
         1.0 / (1.0 - opt.beta2.powi(step as i32)),
@@ -479,12 +465,12 @@ pub(crate) fn adamw_step<B: Backend>(
         master,
         exp_avg,
         exp_avg_sq,
-        cube(grad.clone()),
-        cube(grad_scale.clone()),
+        to_cube(grad.clone()),
+        to_cube(grad_scale.clone()),
         hp,
         decay_runs,
     );
-    Ok([m, a, v].map(wrap_cube))
+    Ok([m, a, v].map(from_cube))
 }
 
 /// `sum_r weight_r * sum(t[range_r]^2)` (the gradient norm's share of a shard) through one
@@ -500,10 +486,8 @@ pub(crate) fn weighted_sq_sum<B: Backend>(
     {
         return None;
     }
-    let x = same::<Tensor<B, 1>, Tensor<CudaCube, 1>>(t.clone())
-        .into_primitive()
-        .tensor();
-    Some(wrap_cube(crate::cuda::adamw::weighted_sq_sum(x, runs)))
+    let x = to_cube(t.clone());
+    Some(from_cube(crate::cuda::adamw::weighted_sq_sum(x, runs)))
 }
 
 /// One flat f32 tensor of `total` elements holding `pieces` back to back, then zeros, through
@@ -516,22 +500,24 @@ pub(crate) fn pack_f32<B: Backend>(
     if !fast_paths().flat || TypeId::of::<B>() != TypeId::of::<CudaCube>() || pieces.is_empty() {
         return Err(pieces);
     }
-    let cubes = pieces
-        .into_iter()
-        .map(|t| {
-            same::<Tensor<B, 1>, Tensor<CudaCube, 1>>(t)
-                .into_primitive()
-                .tensor()
-        })
-        .collect();
-    Ok(wrap_cube(crate::cuda::flat::pack_f32(cubes, total)))
+    let cubes = pieces.into_iter().map(to_cube).collect();
+    Ok(from_cube(crate::cuda::flat::pack_f32(cubes, total)))
+}
+
+/// The CubeCL tensor under a float tensor of `B`, which the caller proved to be [`CudaCube`].
+fn to_cube<B: Backend, const D: usize>(
+    t: Tensor<B, D>,
+) -> burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime> {
+    same::<Tensor<B, D>, Tensor<CudaCube, D>>(t)
+        .into_primitive()
+        .tensor()
 }
 
 /// A CUDA kernel's output as a tensor of `B`, which the caller proved to be [`CudaCube`].
-fn wrap_cube<B: Backend>(
+fn from_cube<B: Backend, const D: usize>(
     t: burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>,
-) -> Tensor<B, 1> {
-    same(Tensor::<CudaCube, 1>::from_primitive(
+) -> Tensor<B, D> {
+    same(Tensor::<CudaCube, D>::from_primitive(
         TensorPrimitive::Float(t),
     ))
 }
