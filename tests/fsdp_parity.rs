@@ -121,27 +121,34 @@ fn sharded_init_equals_unsharded_init() {
     }
 }
 
+/// Runs every `(world, sdp, checkpointing)` layout with `prefetch_depth = 1` and
+/// `micro_batches` per step, and checks every rank against the 1-rank run.
+fn assert_prefetch_matches_one_rank(micro_batches: usize, layouts: &[(usize, usize, bool)]) {
+    let reference = run(1, parallel(0, true), micro_batches).remove(0);
+    for &(world, sdp, checkpointing) in layouts {
+        let config = ParallelConfig {
+            prefetch_depth: 1,
+            ..parallel(sdp, checkpointing)
+        };
+        for (rank, r) in run(world, config, micro_batches).iter().enumerate() {
+            assert_matches(
+                &reference,
+                r,
+                &format!(
+                    "{world} ranks, sdp {sdp}, checkpointing {checkpointing}, prefetch, \
+                     {micro_batches} micro-batch(es), rank {rank}"
+                ),
+            );
+        }
+    }
+}
+
 /// Prefetching the next unit's all-gather (`prefetch_depth = 1`) changes when collectives are
 /// started, not what they compute: 2- and 4-rank runs (4 = hybrid 2 x 2) with prefetch, with
 /// and without checkpointing, match the 1-rank run.
 #[test]
 fn prefetch_matches_one_rank() {
-    let reference = run(1, parallel(0, true), 1).remove(0);
-    for (world, sdp, checkpointing) in [(2, 0, true), (2, 0, false), (4, 2, true)] {
-        let config = ParallelConfig {
-            prefetch_depth: 1,
-            ..parallel(sdp, checkpointing)
-        };
-        for (rank, r) in run(world, config, 1).iter().enumerate() {
-            assert_matches(
-                &reference,
-                r,
-                &format!(
-                    "{world} ranks, sdp {sdp}, checkpointing {checkpointing}, prefetch, rank {rank}"
-                ),
-            );
-        }
-    }
+    assert_prefetch_matches_one_rank(1, &[(2, 0, true), (2, 0, false), (4, 2, true)]);
 }
 
 /// Prefetch also leaves each unit's gradient reduce-scatter pending until the next unit's has
@@ -150,21 +157,5 @@ fn prefetch_matches_one_rank() {
 /// match the 1-rank run.
 #[test]
 fn prefetch_with_accumulation_matches_one_rank() {
-    let reference = run(1, parallel(0, true), 2).remove(0);
-    for (world, sdp, checkpointing) in [(2, 0, false), (4, 2, true), (4, 2, false)] {
-        let config = ParallelConfig {
-            prefetch_depth: 1,
-            ..parallel(sdp, checkpointing)
-        };
-        for (rank, r) in run(world, config, 2).iter().enumerate() {
-            assert_matches(
-                &reference,
-                r,
-                &format!(
-                    "{world} ranks, sdp {sdp}, checkpointing {checkpointing}, prefetch, \
-                     2 micro-batches, rank {rank}"
-                ),
-            );
-        }
-    }
+    assert_prefetch_matches_one_rank(2, &[(2, 0, false), (4, 2, true), (4, 2, false)]);
 }
