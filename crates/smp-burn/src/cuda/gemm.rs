@@ -5,13 +5,14 @@
 //! FLOPs. Here the forward `y = x w^T` and both backward GEMMs (`dx = dy w`, `dw = dy^T x`) run
 //! through `cublasGemmEx` (bf16 or f32 inputs, f32 accumulation, output in the input dtype) on a
 //! stream of our own, ordered with Burn's kernels by context events (no host wait; see
-//! [`StreamBridge`]). Each thread keeps one cuBLAS handle and bridge per device, because a
-//! cuBLAS handle must not be used from two threads at once and threads-as-ranks drive one GPU
-//! each.
+//! [`StreamBridge`]). The GEMMs are issued as tasks on CubeCL's device-server thread, in queue
+//! order with Burn's kernel launches, so the thread building the graph never waits for them;
+//! that thread keeps the device's one cuBLAS handle and bridge.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::Mutex;
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
@@ -23,8 +24,18 @@ use burn::tensor::{DType as BurnDType, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::cuda::CudaRuntime;
+use cubecl::Runtime;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::device::Device;
+use cubecl::device_handle::DeviceHandle;
+use cubecl::server::{Binding, ComputeServer};
+use cubecl::stream_id::StreamId;
+use cubecl::prelude::{CubeCount, CubeDim};
 use cudarc::cublas::{CudaBlas, result as cbr, sys as cbs};
+use cudarc::driver::sys as ds;
+
+/// CubeCL's CUDA compute server, the state its device thread owns.
+type CudaServer = <CudaRuntime as Runtime>::Server;
 
 use super::{CudaCube, StreamBridge, cuda_err};
 use crate::error::SmpError;
@@ -38,8 +49,19 @@ struct GemmEngine {
 }
 
 thread_local! {
+    // Lives on CubeCL's device-server thread (one per device), where the GEMMs are issued.
     static ENGINES: RefCell<HashMap<usize, Rc<GemmEngine>>> = RefCell::new(HashMap::new());
 }
+
+thread_local! {
+    // The calling thread's handles to the device-server threads, looked up once.
+    static SERVERS: RefCell<HashMap<usize, DeviceHandle<CudaServer>>> =
+        RefCell::new(HashMap::new());
+}
+
+/// The first cuBLAS failure on each device, reported by the next GEMM issued there (the
+/// server thread that hit it has no caller to return it to).
+static ASYNC_ERRORS: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
 
 fn engine(device: usize) -> Result<Rc<GemmEngine>, SmpError> {
     ENGINES.with(|m| {
@@ -69,29 +91,179 @@ pub fn supports(x: BurnDType, w: BurnDType) -> bool {
     x == w && cublas_dtype(x).is_some()
 }
 
-/// One column-major GEMM `C[m,n] = op(A) op(B)`, described on pointers into pinned buffers.
+/// One operand of a [`GemmCall`]: the CubeCL binding of its buffer (which keeps the memory
+/// from being reused until the call is issued) and its leading dimension.
+struct Operand {
+    binding: Binding,
+    ld: usize,
+}
+
+impl Operand {
+    fn of(t: &CubeTensor<CudaRuntime>, ld: usize) -> Self {
+        Self {
+            binding: t.handle.clone().binding(),
+            ld,
+        }
+    }
+}
+
+/// One column-major GEMM `C[m,n] = op(A) op(B)`.
 struct GemmCall {
     trans_a: bool,
     trans_b: bool,
     m: usize,
     n: usize,
     k: usize,
-    a: (u64, usize),
-    b: (u64, usize),
-    c: (u64, usize),
+    a: Operand,
+    b: Operand,
+    c: Operand,
 }
 
-/// Runs `calls` on the engine's stream after every Burn kernel queued so far, and makes Burn's
-/// later kernels wait for them. `pins` keep the buffers from being reused until then.
-fn run_ordered(
+/// Panics with the message of an earlier asynchronous GEMM failure on `device`, if any.
+fn check_async_errors(device: usize) {
+    let errors = ASYNC_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, msg)) = errors.iter().find(|(d, _)| *d == device) {
+        panic!("an earlier cuBLAS GEMM on CUDA device {device} failed: {msg}");
+    }
+}
+
+/// Queues `calls` behind every Burn kernel queued so far and makes Burn's later kernels wait
+/// for them, without blocking the caller.
+///
+/// The calls run as a task on CubeCL's device-server thread, the thread that launches Burn's
+/// kernels: by the time it runs, every earlier kernel has reached CUDA, so a context event
+/// captures them, and the buffers' device addresses are resolved there too. Issuing from the
+/// rank thread instead took a blocking round trip per operand and a flush per batch (four to
+/// six per linear layer), each waiting until the server had launched everything queued before
+/// it: the rank thread could never run ahead of the server.
+fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
+    check_async_errors(device);
+    if super::legacy_flush() {
+        CudaRuntime::client(&CudaDevice { index: device })
+            .flush()
+            .unwrap_or_else(|e| panic!("CubeCL flush before a GEMM: {e:?}"));
+    }
+    let dt =
+        cublas_dtype(dtype).unwrap_or_else(|| panic!("cuBLAS linear: unsupported dtype {dtype:?}"));
+    let handle = SERVERS.with(|m| {
+        m.borrow_mut()
+            .entry(device)
+            .or_insert_with(|| DeviceHandle::new(CudaDevice { index: device }.to_id()))
+            .clone()
+    });
+    // Epochs must reach the server in the order they are taken: hold the lock across both.
+    let mut signals = SIGNALS.lock().unwrap_or_else(|e| e.into_inner());
+    let after = match gemm_ordering() {
+        GemmOrdering::Signal => Some(signals.signal(device)),
+        GemmOrdering::Context => None,
+    };
+    handle.submit(move |server| {
+        if let Err(e) = issue_on_server(server, device, dt, after, &calls) {
+            let mut errors = ASYNC_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
+            if !errors.iter().any(|(d, _)| *d == device) {
+                errors.push((device, e.to_string()));
+            }
+        }
+    });
+    drop(signals);
+}
+
+/// How a GEMM batch waits for the Burn kernels before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GemmOrdering {
+    /// A one-thread kernel on Burn's stream writes an epoch to a flag that the GEMM stream
+    /// waits on (`cuStreamWaitValue32`): the GEMMs wait for Burn's stream alone.
+    Signal,
+    /// A context-wide event (`cuCtxRecordEvent`): the GEMMs also wait for every collective in
+    /// flight on the comm streams, which serializes FSDP's prefetched all-gathers and
+    /// overlapped reduce-scatters with the compute they were meant to run beside.
+    Context,
+}
+
+/// `SMP_BURN_GEMM_ORDER=context` selects [`GemmOrdering::Context`] (for measuring the
+/// difference); the default is [`GemmOrdering::Signal`].
+fn gemm_ordering() -> GemmOrdering {
+    static ORDER: std::sync::OnceLock<GemmOrdering> = std::sync::OnceLock::new();
+    *ORDER.get_or_init(|| match std::env::var("SMP_BURN_GEMM_ORDER").as_deref() {
+        Ok("context") => GemmOrdering::Context,
+        _ => GemmOrdering::Signal,
+    })
+}
+
+mod signal {
+    use cubecl::prelude::*;
+
+    /// Writes `value` to `flag[0]`: Burn's stream reached this point.
+    #[cube(launch_unchecked)]
+    pub fn signal_kernel(flag: &mut Tensor<u32>, value: u32) {
+        if ABSOLUTE_POS == 0 {
+            flag[0] = value;
+        }
+    }
+}
+
+/// Per device: the flag Burn's stream writes and the last epoch written to it.
+#[derive(Default)]
+struct Signals {
+    flags: Vec<(usize, CubeTensor<CudaRuntime>, u32)>,
+}
+
+static SIGNALS: Mutex<Signals> = Mutex::new(Signals { flags: Vec::new() });
+
+impl Signals {
+    /// Queues the next epoch's signal kernel on `device` and returns the flag and epoch the
+    /// GEMM stream must wait for.
+    fn signal(&mut self, device: usize) -> (Binding, u32) {
+        let slot = match self.flags.iter().position(|(d, _, _)| *d == device) {
+            Some(i) => i,
+            None => {
+                let client = CudaRuntime::client(&CudaDevice { index: device });
+                let handle = client.create_from_slice(&[0u8; 4]);
+                let flag = CubeTensor::new_contiguous(
+                    client,
+                    CudaDevice { index: device },
+                    [1].into(),
+                    handle,
+                    BurnDType::U32,
+                );
+                self.flags.push((device, flag, 0));
+                self.flags.len() - 1
+            }
+        };
+        let (_, flag, epoch) = &mut self.flags[slot];
+        // Wraps after four billion batches; an epoch is only compared with its neighbours.
+        *epoch = epoch.wrapping_add(1).max(1);
+        // SAFETY: one cube of one thread writes element 0 of a one-element tensor.
+        unsafe {
+            signal::signal_kernel::launch_unchecked::<CudaRuntime>(
+                &flag.client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(1),
+                flag.clone().into_tensor_arg(),
+                *epoch,
+            );
+        }
+        (flag.handle.clone().binding(), *epoch)
+    }
+}
+
+/// Runs on the server thread: resolves the operands and issues the GEMMs between the two
+/// event crossings of the engine's bridge.
+fn issue_on_server(
+    server: &mut CudaServer,
     device: usize,
-    dtype: BurnDType,
+    dt: cbs::cudaDataType,
+    after: Option<(Binding, u32)>,
     calls: &[GemmCall],
-    pins: Vec<Box<dyn std::any::Any>>,
 ) -> Result<(), SmpError> {
     let e = engine(device)?;
-    let dt = cublas_dtype(dtype)
-        .ok_or_else(|| SmpError::Cuda(format!("cuBLAS linear: unsupported dtype {dtype:?}")))?;
+    let stream = StreamId::current();
+    let mut ptr = |op: &Operand| {
+        server
+            .get_resource(op.binding.clone(), stream)
+            .map(|r| (r.resource().ptr, r))
+            .map_err(|e| cuda_err("resolving a Burn buffer for cuBLAS", e))
+    };
     let op = |t: bool| {
         if t {
             cbs::cublasOperation_t::CUBLAS_OP_T
@@ -99,15 +271,35 @@ fn run_ordered(
             cbs::cublasOperation_t::CUBLAS_OP_N
         }
     };
+    let dim = |v: usize| {
+        i32::try_from(v).map_err(|_| SmpError::Cuda(format!("GEMM dimension {v} exceeds i32")))
+    };
     let (alpha, beta) = (1.0f32, 0.0f32);
-    e.bridge.burn_to_comm()?;
+    match after {
+        Some((flag, epoch)) => {
+            let (flag, _guard) = ptr(&Operand { binding: flag, ld: 1 })?;
+            e.bridge.bind()?;
+            // SAFETY: `flag` is a live 4-byte device buffer on this context (the guard holds
+            // it); the stream is the engine's own.
+            unsafe {
+                ds::cuStreamWaitValue32_v2(
+                    e.bridge.stream(),
+                    flag,
+                    epoch,
+                    ds::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            }
+            .result()
+            .map_err(|err| cuda_err("cuStreamWaitValue32", err))?;
+        }
+        None => e.bridge.server_to_comm()?,
+    }
     for c in calls {
-        let dim = |v: usize| {
-            i32::try_from(v).map_err(|_| SmpError::Cuda(format!("GEMM dimension {v} exceeds i32")))
-        };
-        // SAFETY: the pointers come from pinned, live allocations of at least the sizes the
-        // leading dimensions and extents describe (checked by the callers' shape logic), on
-        // `device`, whose context the bridge made current; the stream is the handle's own.
+        let ((a, _ga), (b, _gb), (out, _gc)) = (ptr(&c.a)?, ptr(&c.b)?, ptr(&c.c)?);
+        // SAFETY: the pointers come from live allocations (the bindings hold them) of at least
+        // the sizes the leading dimensions and extents describe (checked by the callers' shape
+        // logic), on `device`, whose context the bridge made current; the stream is the
+        // handle's own, ordered after every kernel launched so far.
         unsafe {
             cbr::gemm_ex(
                 *e.blas.handle(),
@@ -117,34 +309,25 @@ fn run_ordered(
                 dim(c.n)?,
                 dim(c.k)?,
                 (&alpha as *const f32).cast(),
-                c.a.0 as *const _,
+                a as *const _,
                 dt,
-                dim(c.a.1)?,
-                c.b.0 as *const _,
+                dim(c.a.ld)?,
+                b as *const _,
                 dt,
-                dim(c.b.1)?,
+                dim(c.b.ld)?,
                 (&beta as *const f32).cast(),
-                c.c.0 as *mut _,
+                out as *mut _,
                 dt,
-                dim(c.c.1)?,
+                dim(c.c.ld)?,
                 cbs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cbs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
             .map_err(|err| cuda_err("cublasGemmEx", err))?;
         }
     }
-    e.bridge.comm_to_burn()?;
-    drop(pins);
-    Ok(())
-}
-
-/// Device pointer of a contiguous CubeCL tensor, with the pin that keeps it alive.
-fn pin(t: &CubeTensor<CudaRuntime>) -> Result<(u64, Box<dyn std::any::Any>), SmpError> {
-    let r = t
-        .client
-        .get_resource(t.handle.clone())
-        .map_err(|e| cuda_err("pinning a Burn buffer (get_resource)", e))?;
-    Ok((r.resource().ptr, Box::new(r)))
+    // Kernels launched after this (by the server, in queue order) wait for the GEMMs, so the
+    // operands' memory may be reused once the bindings drop.
+    e.bridge.comm_to_burn()
 }
 
 /// Rows (product of the leading dimensions) and columns (the last) of a tensor.
@@ -167,8 +350,9 @@ fn check_dtype(what: &str, a: &CubeTensor<CudaRuntime>, b: &CubeTensor<CudaRunti
 /// `y = x w^T` with `x: [..., k]` and `w: [n, k]` (PyTorch's layout); `y: [..., n]`.
 ///
 /// # Panics
-/// On mismatched shapes or dtypes (an autodiff op has no error channel) and on CUDA errors,
-/// naming the values.
+/// On mismatched shapes or dtypes (an autodiff op has no error channel), naming the values,
+/// and on a cuBLAS error of an earlier call on the device (GEMMs are issued asynchronously, so
+/// the next one reports it).
 pub fn linear_forward(
     x: CubeTensor<CudaRuntime>,
     w: CubeTensor<CudaRuntime>,
@@ -193,7 +377,6 @@ pub fn linear_forward(
         x.dtype,
     );
     if m * n * k > 0 {
-        let ((xp, g1), (wp, g2), (yp, g3)) = (pin(&x).unwrap(), pin(&w).unwrap(), pin(&y).unwrap());
         // Row-major y[m,n] is column-major y^T[n,m] = w[n,k] (stored as w^T, k x n) ^T · x^T.
         let call = GemmCall {
             trans_a: true,
@@ -201,12 +384,11 @@ pub fn linear_forward(
             m: n,
             n: m,
             k,
-            a: (wp, k),
-            b: (xp, k),
-            c: (yp, n),
+            a: Operand::of(&w, k),
+            b: Operand::of(&x, k),
+            c: Operand::of(&y, n),
         };
-        run_ordered(x.device.index, x.dtype, &[call], vec![g1, g2, g3])
-            .unwrap_or_else(|e| panic!("cuBLAS linear forward [{m} x {k}] x [{n} x {k}]^T: {e}"));
+        submit_ordered(x.device.index, x.dtype, vec![call]);
     }
     y
 }
@@ -228,10 +410,7 @@ pub fn linear_backward(
     let dy = into_contiguous(dy);
     let (m, n) = rows_cols(dy.meta.shape());
     let (_, k) = rows_cols(x_shape);
-    let mut pins: Vec<Box<dyn std::any::Any>> = Vec::new();
     let mut calls = Vec::new();
-    let (dyp, g) = pin(&dy).unwrap();
-    pins.push(g);
     let alloc = |shape: Shape| {
         empty_device_contiguous_dtype(dy.client.clone(), dy.device.clone(), shape, dy.dtype)
     };
@@ -239,8 +418,6 @@ pub fn linear_backward(
         check_dtype("linear backward (dx)", &dy, &w);
         let w = into_contiguous(w);
         let dx = alloc(x_shape.clone());
-        let ((wp, g1), (dxp, g2)) = (pin(&w).unwrap(), pin(&dx).unwrap());
-        pins.extend([g1, g2]);
         // dx^T (k x m, column-major) = w^T (k x n, stored as w) · dy^T (n x m, stored as dy).
         calls.push(GemmCall {
             trans_a: false,
@@ -248,9 +425,9 @@ pub fn linear_backward(
             m: k,
             n: m,
             k: n,
-            a: (wp, k),
-            b: (dyp, n),
-            c: (dxp, k),
+            a: Operand::of(&w, k),
+            b: Operand::of(&dy, n),
+            c: Operand::of(&dx, k),
         });
         dx
     });
@@ -258,8 +435,6 @@ pub fn linear_backward(
         check_dtype("linear backward (dw)", &dy, &x);
         let x = into_contiguous(x);
         let dw = alloc(Shape::from(vec![n, k]));
-        let ((xp, g1), (dwp, g2)) = (pin(&x).unwrap(), pin(&dw).unwrap());
-        pins.extend([g1, g2]);
         // dw^T (k x n, column-major) = x^T (k x m, stored as x) · dy (m x n, stored as dy^T).
         calls.push(GemmCall {
             trans_a: false,
@@ -267,15 +442,14 @@ pub fn linear_backward(
             m: k,
             n,
             k: m,
-            a: (xp, k),
-            b: (dyp, n),
-            c: (dwp, k),
+            a: Operand::of(&x, k),
+            b: Operand::of(&dy, n),
+            c: Operand::of(&dw, k),
         });
         dw
     });
     if m * n * k > 0 {
-        run_ordered(dy.device.index, dy.dtype, &calls, pins)
-            .unwrap_or_else(|e| panic!("cuBLAS linear backward [{m} x {n}] (k = {k}): {e}"));
+        submit_ordered(dy.device.index, dy.dtype, calls);
     }
     (dx, dw)
 }

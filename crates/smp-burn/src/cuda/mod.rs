@@ -5,8 +5,8 @@
 //!   CubeCL buffer behind it, pins the allocation (CubeCL cannot reuse it while the guard
 //!   lives) and returns its device pointer and dtype.
 //! - [`StreamBridge`]: orders work on our own communication stream with the kernels Burn
-//!   queues, on the GPU, without a host wait. Burn -> comm: `client.flush()` (CubeCL batches
-//!   launches on the host), `cuCtxRecordEvent` on the device's primary context, then
+//!   queues, on the GPU, without a host wait. Burn -> comm: a no-op task on CubeCL's
+//!   device-server thread (so every kernel queued so far has been launched), `cuCtxRecordEvent` on the device's primary context, then
 //!   `cuStreamWaitEvent` on the comm stream. Comm -> Burn: `cuEventRecord` on the comm stream,
 //!   then `cuCtxWaitEvent`, so that everything submitted to the context afterwards waits.
 //!   Measured in `shared/probe/interop.rs`: ~10-15 us per collective where a host
@@ -38,6 +38,8 @@ use collectives::nccl::NcclComm;
 use collectives::{CommError, Communicator, DType, ReduceOp};
 use cubecl::Runtime;
 use cubecl::cuda::CudaRuntime;
+use cubecl::device::Device;
+use cubecl::device_handle::DeviceHandle;
 use cudarc::driver::{CudaContext, CudaStream, sys as ds};
 
 use crate::comm::{PendingGather, TensorComm};
@@ -177,6 +179,14 @@ pub fn pin_tensor<B: CudaTensors>(t: &Tensor<B, 1>) -> Result<PinnedBuffer, SmpE
     })
 }
 
+/// Whether `SMP_BURN_LEGACY_FLUSH=1` asks for the ordering of sessions 2-4: a CubeCL flush
+/// (with its host wait on the previous flush's fence) before every collective and GEMM batch.
+/// For measuring what dropping it gained.
+pub fn legacy_flush() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SMP_BURN_LEGACY_FLUSH").is_ok_and(|v| v == "1"))
+}
+
 /// A CUDA event handle owned by a [`StreamBridge`].
 struct Event(ds::CUevent);
 
@@ -196,7 +206,7 @@ impl Drop for Event {
 /// See the module docs for the mechanism. One bridge per device and process group; the events
 /// are reused (a wait captures the event's state when it is queued).
 pub struct StreamBridge {
-    device: CudaDevice,
+    server: DeviceHandle<<CudaRuntime as Runtime>::Server>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     ev_to_comm: Event,
@@ -206,7 +216,7 @@ pub struct StreamBridge {
 impl std::fmt::Debug for StreamBridge {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamBridge")
-            .field("device", &self.device.index)
+            .field("device", &self.server.device_id().index_id)
             .finish()
     }
 }
@@ -225,7 +235,7 @@ impl StreamBridge {
                 .map_err(|e| cuda_err("cuEventCreate", e))
         };
         Ok(Self {
-            device: CudaDevice { index },
+            server: DeviceHandle::new(CudaDevice { index }.to_id()),
             ctx,
             stream,
             ev_to_comm: ev()?,
@@ -250,14 +260,41 @@ impl StreamBridge {
 
     /// Makes the comm stream wait, on the GPU, for every Burn kernel queued so far.
     pub fn burn_to_comm(&self) -> Result<(), SmpError> {
-        // CubeCL batches launches on the host: flush this thread's CubeCL stream so that every
-        // kernel queued so far has reached CUDA before the context event captures the work.
-        CudaRuntime::client(&self.device)
+        // CubeCL's device-server thread launches the kernels queued to it in order: a no-op
+        // task run to completion there means every kernel queued so far has reached CUDA before
+        // the context event captures the work. Not `client.flush()`: that also syncs the host
+        // on a fence recorded at the previous flush (CubeCL's drop queue), which kept the host
+        // from ever running more than one collective or GEMM ahead of the GPU.
+        if legacy_flush() {
+            CudaRuntime::client(&CudaDevice {
+                index: self.server.device_id().index_id as usize,
+            })
             .flush()
             .map_err(|e| cuda_err("CubeCL flush", e))?;
+        } else {
+            self.server
+                .submit_blocking(|_| ())
+                .map_err(|e| cuda_err("reaching CubeCL's device thread", e))?;
+        }
+        self.server_to_comm()
+    }
+
+    /// As [`StreamBridge::burn_to_comm`], called from CubeCL's device-server thread inside a
+    /// queued task: every kernel queued before the task has already been launched there, so
+    /// no flush (which would be a call back into the same thread) is needed.
+    pub fn server_to_comm(&self) -> Result<(), SmpError> {
+        self.bind()?;
+        self.comm_waits_for_context()
+    }
+
+    /// Makes the bridge's context current on the calling thread.
+    pub fn bind(&self) -> Result<(), SmpError> {
         self.ctx
             .bind_to_thread()
-            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))
+    }
+
+    fn comm_waits_for_context(&self) -> Result<(), SmpError> {
         // SAFETY: the context, event and stream are live and belong to the same device.
         unsafe {
             ds::cuCtxRecordEvent(self.ctx.cu_ctx(), self.ev_to_comm.0)
