@@ -3,6 +3,8 @@
 //! `kernel_bench check`: every fast op against the reference op on fresh random inputs (forward
 //! and gradients), odd shapes included; exits non-zero on a miss.
 //! `kernel_bench attention`: only the attention part of `check`.
+//! `kernel_bench xent`: only the LM-head loss part of `check` (fused softmax kernels against
+//! Burn's ops), with the time of each.
 //! `kernel_bench adamw`: the fused AdamW and gradient-norm (weighted sum of squares) checks, then
 //! their bandwidth against the Burn-ops versions.
 //! `kernel_bench gemm`: linear-layer GEMM TFLOP/s at the Llama 1B and 7B shapes, three ways in
@@ -120,6 +122,83 @@ fn check() -> bool {
             );
         }
     }
+    ok
+}
+
+/// The LM-head loss (`ops::linear_cross_entropy`, chunked) with the fused softmax kernels
+/// (fast path `xent`) against the same loss through Burn's ops, on the same GPU from the same
+/// inputs: the loss and both gradients, then the time of forward + backward each way.
+fn check_xent() -> bool {
+    let dev = device();
+    let mut ok = true;
+    // (tokens, hidden, vocab, dtype): odd vocabularies (vector width 1 and 8), a single token,
+    // and the 1b shape (two 2,048-token chunks of a 32,000 vocabulary).
+    let cases = [
+        (1, 64, 7, DType::F32),
+        (3, 64, 1001, DType::F32),
+        (257, 128, 1000, DType::BF16),
+        (77, 64, 32000, DType::F32),
+        (4096, 2048, 32000, DType::BF16),
+    ];
+    for (tokens, hidden, vocab, dtype) in cases {
+        let x = Tensor::<B, 2>::random([tokens, hidden], Distribution::Normal(0.0, 1.0), &dev)
+            .cast(dtype);
+        let w = Tensor::<B, 2>::random([vocab, hidden], Distribution::Normal(0.0, 0.05), &dev)
+            .cast(dtype);
+        let targets = Tensor::<B, 1, burn::tensor::Int>::random(
+            [tokens],
+            Distribution::Uniform(0.0, (vocab - 1) as f64),
+            &dev,
+        );
+        // The loss and both gradients, left on the device.
+        let run = |xent: bool| {
+            set_fast_paths(FastPaths {
+                xent,
+                ..FastPaths::ALL
+            });
+            let xa = Tensor::<Ad, 2>::from_inner(x.clone()).require_grad();
+            let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
+            let targets = Tensor::from_inner(targets.clone());
+            let loss = ops::linear_cross_entropy(xa.clone(), wa.clone(), targets);
+            let g = loss.backward();
+            let (dx, dw) = (xa.grad(&g).expect("dx"), wa.grad(&g).expect("dw"));
+            (loss.inner(), dx, dw)
+        };
+        let on_host = |(loss, dx, dw): (Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 2>)| {
+            [host(loss), host(dx), host(dw)]
+        };
+        let (ours, reference) = (on_host(run(true)), on_host(run(false)));
+        let e: Vec<f32> = (0..3).map(|i| rel_err(&ours[i], &reference[i])).collect();
+        // The same f32 arithmetic in another order (sums over the vocabulary), then rounded
+        // to the dtype for the gradients: bf16's 2^-9, with room for a rounding flip; f32:
+        // summation order only.
+        let tol = if dtype == DType::BF16 { 1e-2 } else { 1e-5 };
+        let pass = e.iter().all(|&v| v <= tol);
+        ok &= pass;
+        let time = |xent: bool| {
+            let _ = run(xent);
+            B::sync(&dev).unwrap();
+            let t0 = Instant::now();
+            for _ in 0..5 {
+                let _ = run(xent);
+            }
+            B::sync(&dev).unwrap();
+            t0.elapsed().as_secs_f64() * 1e3 / 5.0
+        };
+        let (t_ours, t_ref) = (time(true), time(false));
+        println!(
+            "xent {dtype:?} x[{tokens},{hidden}] w[{vocab},{hidden}]: loss {:.5} vs {:.5}, rel err \
+             loss {:.2e} dx {:.2e} dw {:.2e} (tolerance {tol:.0e}) {}; fwd+bwd {t_ours:.2} ms \
+             fused, {t_ref:.2} ms Burn ops",
+            ours[0][0],
+            reference[0][0],
+            e[0],
+            e[1],
+            e[2],
+            if pass { "ok" } else { "FAIL" }
+        );
+    }
+    set_fast_paths(FastPaths::ALL);
     ok
 }
 
@@ -580,7 +659,9 @@ fn main() {
                 ok &= check_adamw();
                 ok &= check_sq_sum();
                 ok &= check_pack();
+                ok &= check_xent();
             }
+            "xent" => ok &= check_xent(),
             "adamw" => {
                 ok &= check_adamw();
                 ok &= check_sq_sum();
@@ -591,7 +672,7 @@ fn main() {
             "attention" => ok &= check_attention(),
             "gemm" => gemm(),
             other => {
-                eprintln!("unknown part {other:?}: use check, attention, adamw and/or gemm");
+                eprintln!("unknown part {other:?}: use check, attention, xent, adamw and/or gemm");
                 std::process::exit(2);
             }
         }

@@ -106,9 +106,9 @@ struct Cli {
     /// key/value heads and the MLP width; FSDP then shards across the remaining ranks.
     #[arg(long)]
     tensor_parallel_degree: Option<usize>,
-    /// Start the next unit's all-gather before the current unit runs (1) or not (0, the
-    /// default). On CUDA the gather then runs beside the compute; that path is new and its gain
-    /// not yet measured on GPUs.
+    /// Start the next unit's all-gather before the current unit runs (1, the default) or not
+    /// (0). On CUDA the gather, and in the backward the reduce-scatter, then run beside the
+    /// compute: 7B on 2 H200s 432-439 against 459-463 ms per step.
     #[arg(long)]
     prefetch_depth: Option<usize>,
     /// Recompute each block in the backward pass instead of storing its activations.
@@ -299,8 +299,16 @@ fn install_panic_hook() {
         } else {
             eprintln!("error: a thread panicked; stopping (the last checkpoint is intact)");
         }
-        std::process::exit(101);
+        // `_exit`, not `std::process::exit`: the latter runs the CUDA and NCCL libraries'
+        // teardown, which waited forever on a collective the panicked rank never joined (call AB:
+        // the surviving rank hung until killed) or crashed in it.
+        _exit(101);
     }));
+}
+
+unsafe extern "C" {
+    /// POSIX `_exit`: ends the process at once, without atexit handlers.
+    safe fn _exit(status: std::ffi::c_int) -> !;
 }
 
 fn main() {

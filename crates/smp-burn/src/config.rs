@@ -49,7 +49,9 @@ pub struct ParallelConfig {
     /// start the next unit's gather before the current unit's compute is queued, so that on
     /// CUDA the two run side by side. 1 also overlaps the backward's other direction: a unit's
     /// gradient reduce-scatter runs beside the previous unit's backward (one pending at a
-    /// time). Deeper prefetch is not supported.
+    /// time). Deeper prefetch is not supported. The default is 1 (as PyTorch FSDP2's implicit
+    /// prefetch): it holds one more unit's gathered parameters and made 7B on 2 H200s 5-6 %
+    /// faster (call AC).
     pub prefetch_depth: usize,
 }
 
@@ -62,7 +64,7 @@ impl Default for ParallelConfig {
             reduce_dtype: Precision::F32,
             activation_checkpointing: true,
             reshard_after_forward: true,
-            prefetch_depth: 0,
+            prefetch_depth: 1,
         }
     }
 }

@@ -46,10 +46,13 @@ pub struct FastPaths {
     /// FSDP's gradients packed into the flat buffer by one cast-and-copy kernel per parameter
     /// ([`crate::cuda::flat`]) instead of a cast and a `cat`.
     pub flat: bool,
+    /// The LM-head loss's softmax statistics and logit gradient through the fused kernels of
+    /// [`crate::cuda::xent`] (inside the chunked loss, on CUDA).
+    pub xent: bool,
 }
 
 /// The path names [`FastPaths::parse`] accepts, in bit order.
-const NAMES: [&str; 8] = [
+const NAMES: [&str; 9] = [
     "gemm",
     "attention",
     "norm",
@@ -58,6 +61,7 @@ const NAMES: [&str; 8] = [
     "loss",
     "adamw",
     "flat",
+    "xent",
 ];
 
 impl FastPaths {
@@ -71,6 +75,7 @@ impl FastPaths {
         loss: true,
         adamw: true,
         flat: true,
+        xent: true,
     };
     /// Only the reference ops.
     pub const NONE: Self = Self {
@@ -82,10 +87,11 @@ impl FastPaths {
         loss: false,
         adamw: false,
         flat: false,
+        xent: false,
     };
 
     /// Parses `all`, `none` or a comma list of path names (`gemm`, `attention`, `norm`,
-    /// `rope`, `swiglu`, `loss`, `adamw`, `flat`).
+    /// `rope`, `swiglu`, `loss`, `adamw`, `flat`, `xent`).
     pub fn parse(s: &str) -> Result<Self, String> {
         match s.trim() {
             "" | "all" => return Ok(Self::ALL),
@@ -103,6 +109,7 @@ impl FastPaths {
                 "loss" => &mut p.loss,
                 "adamw" => &mut p.adamw,
                 "flat" => &mut p.flat,
+                "xent" => &mut p.xent,
                 other => {
                     return Err(format!(
                         "unknown fast path {other:?} (known: {}; or all / none)",
@@ -115,7 +122,7 @@ impl FastPaths {
         Ok(p)
     }
 
-    fn flags(self) -> [bool; 8] {
+    fn flags(self) -> [bool; 9] {
         [
             self.gemm,
             self.attention,
@@ -125,6 +132,7 @@ impl FastPaths {
             self.loss,
             self.adamw,
             self.flat,
+            self.xent,
         ]
     }
 
@@ -147,6 +155,7 @@ impl FastPaths {
             loss: on(5),
             adamw: on(6),
             flat: on(7),
+            xent: on(8),
         }
     }
 }
@@ -425,6 +434,47 @@ pub(crate) fn lce_autodiff<B: Backend>(
         .or_else(|| on::<B, NdArray<f32>>(x, w, targets, chunk_tokens))
 }
 
+/// Each row's log-sum-exp and loss of `logits` through [`crate::cuda::xent::row_stats`] when
+/// `B` is the CUDA backend; `None` means "use the reference".
+pub(crate) fn xent_row_stats<B: Backend>(
+    logits: &Tensor<B, 2>,
+    targets: &Tensor<B, 1, Int>,
+) -> Option<(Tensor<B, 1>, Tensor<B, 1>)> {
+    if !fast_paths().xent || TypeId::of::<B>() != TypeId::of::<CudaCube>() {
+        return None;
+    }
+    let (lse, loss) = crate::cuda::xent::row_stats(to_cube(logits.clone()), int_to_cube(targets));
+    Some((from_cube(lse), from_cube(loss)))
+}
+
+/// The loss's gradient with respect to the logits, in the logits' dtype, through
+/// [`crate::cuda::xent::softmax_grad`] when `B` is the CUDA backend; `None` means "use the
+/// reference".
+pub(crate) fn xent_softmax_grad<B: Backend>(
+    logits: &Tensor<B, 2>,
+    lse: &Tensor<B, 1>,
+    targets: &Tensor<B, 1, Int>,
+    scale: &Tensor<B, 2>,
+) -> Option<Tensor<B, 2>> {
+    if !fast_paths().xent || TypeId::of::<B>() != TypeId::of::<CudaCube>() {
+        return None;
+    }
+    let g = crate::cuda::xent::softmax_grad(
+        to_cube(logits.clone()),
+        to_cube(lse.clone()),
+        int_to_cube(targets),
+        to_cube(scale.clone()),
+    );
+    Some(from_cube(g))
+}
+
+/// The CubeCL tensor behind an int tensor of `B`, which the caller proved to be [`CudaCube`].
+fn int_to_cube<B: Backend, const D: usize>(
+    t: &Tensor<B, D, Int>,
+) -> burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime> {
+    same::<Tensor<B, D, Int>, Tensor<CudaCube, D, Int>>(t.clone()).into_primitive()
+}
+
 /// FSDP's AdamW step through the fused kernel when `B` is the CUDA backend and everything is
 /// f32. `state` is `[master, exp_avg, exp_avg_sq]`, taken by value so that the kernel can update
 /// the buffers in place: a second handle would make it copy each one first (three shard-sized
@@ -531,7 +581,7 @@ mod tests {
         assert_eq!(FastPaths::parse("all").unwrap(), FastPaths::ALL);
         assert_eq!(FastPaths::parse("none").unwrap(), FastPaths::NONE);
         assert_eq!(
-            FastPaths::parse("gemm, attention,norm,rope,swiglu,loss,adamw,flat").unwrap(),
+            FastPaths::parse("gemm, attention,norm,rope,swiglu,loss,adamw,flat,xent").unwrap(),
             FastPaths::ALL
         );
         let only_gemm = FastPaths::parse("gemm").unwrap();

@@ -244,18 +244,25 @@ fn lce_forward<B: Backend>(
     let mut lses = Vec::new();
     for (start, len) in chunks(tokens, chunk_tokens) {
         // The logits in the input dtype (as `linear` returns them), then f32 as the reference.
-        let logits = linear(x.clone().narrow(0, start, len), weight.clone()).cast(DType::F32);
-        let t = targets.clone().narrow(0, start, len).reshape([len, 1]);
-        let picked = logits.clone().gather(1, t);
-        let max = logits.clone().max_dim(1);
-        let lse = (logits - max.clone()).exp().sum_dim(1).log() + max;
-        let sum = (lse.clone() - picked).sum();
+        let logits = linear(x.clone().narrow(0, start, len), weight.clone());
+        let t = targets.clone().narrow(0, start, len);
+        let (lse, sum) = match crate::fast::xent_row_stats(&logits, &t) {
+            Some((lse, loss)) => (lse, loss.sum()),
+            None => {
+                let logits = logits.cast(DType::F32);
+                let picked = logits.clone().gather(1, t.reshape([len, 1]));
+                let max = logits.clone().max_dim(1);
+                let lse = (logits - max.clone()).exp().sum_dim(1).log() + max;
+                let sum = (lse.clone() - picked).sum();
+                (lse.reshape([len]), sum)
+            }
+        };
         total = Some(match total {
             None => sum,
             Some(acc) => acc + sum,
         });
         if keep_lse {
-            lses.push(lse.reshape([len]));
+            lses.push(lse);
         }
     }
     let loss = total.expect("at least one token").div_scalar(tokens as f64);
@@ -294,15 +301,20 @@ fn lce_backward<B: Backend>(
     let mut dw: Option<Tensor<B, 2>> = None;
     for (start, len) in chunks(tokens, chunk_tokens) {
         let xc = x.clone().narrow(0, start, len);
-        let logits = linear(xc.clone(), weight.clone()).cast(DType::F32);
-        let lse_c = lse.clone().narrow(0, start, len).reshape([len, 1]);
-        let t = targets.clone().narrow(0, start, len).reshape([len, 1]);
-        let minus_one = Tensor::<B, 2>::full([len, 1], -1.0, (&device, DType::F32));
-        let g = (logits - lse_c)
-            .exp()
-            .scatter(1, t, minus_one, IndexingUpdateOp::Add)
-            .mul(scale.clone())
-            .cast(dtype);
+        let logits = linear(xc.clone(), weight.clone());
+        let lse_c = lse.clone().narrow(0, start, len);
+        let t = targets.clone().narrow(0, start, len);
+        let fused = (logits.dtype() == dtype)
+            .then(|| crate::fast::xent_softmax_grad(&logits, &lse_c, &t, &scale))
+            .flatten();
+        let g = fused.unwrap_or_else(|| {
+            let minus_one = Tensor::<B, 2>::full([len, 1], -1.0, (&device, DType::F32));
+            (logits.cast(DType::F32) - lse_c.reshape([len, 1]))
+                .exp()
+                .scatter(1, t.reshape([len, 1]), minus_one, IndexingUpdateOp::Add)
+                .mul(scale.clone())
+                .cast(dtype)
+        });
         let (dx_c, dw_c) = linear_grads(g, xc, weight.clone(), want_dx, want_dw);
         if let Some(dx_c) = dx_c {
             dxs.push(dx_c);

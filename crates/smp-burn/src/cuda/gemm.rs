@@ -28,9 +28,9 @@ use cubecl::Runtime;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::device::Device;
 use cubecl::device_handle::DeviceHandle;
+use cubecl::prelude::{CubeCount, CubeDim};
 use cubecl::server::{Binding, ComputeServer};
 use cubecl::stream_id::StreamId;
-use cubecl::prelude::{CubeCount, CubeDim};
 use cudarc::cublas::{CudaBlas, result as cbr, sys as cbs};
 use cudarc::driver::sys as ds;
 
@@ -46,7 +46,35 @@ pub type CudaAutodiff = Autodiff<CudaCube>;
 struct GemmEngine {
     bridge: StreamBridge,
     blas: CudaBlas,
+    /// [`WAIT_PTX`]'s kernel, loaded in the bridge's context.
+    wait: ds::CUfunction,
 }
+
+/// One thread that spins until `*flag - value`, as a signed 32-bit difference, is no longer
+/// negative (wrap-safe epoch comparison). Launched on the GEMM stream, it holds the GEMMs back
+/// until Burn's stream has run the signal kernel of their epoch. Hand-written PTX, loaded by
+/// the driver: no compiler needed. (`cuStreamWaitValue32` does this without a kernel, but the
+/// driver refuses it on CubeCL's pool memory with `CUDA_ERROR_INVALID_VALUE`; call AB.)
+const WAIT_PTX: &str = "
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry smp_wait_geq(.param .u64 flag, .param .u32 value)
+{
+    .reg .pred p;
+    .reg .b32 v, t, d;
+    .reg .b64 a;
+    ld.param.u64 a, [flag];
+    cvta.to.global.u64 a, a;
+    ld.param.u32 t, [value];
+SPIN:
+    ld.volatile.global.u32 v, [a];
+    sub.s32 d, v, t;
+    setp.lt.s32 p, d, 0;
+    @p bra SPIN;
+    ret;
+}
+\0";
 
 thread_local! {
     // Lives on CubeCL's device-server thread (one per device), where the GEMMs are issued.
@@ -71,7 +99,18 @@ fn engine(device: usize) -> Result<Rc<GemmEngine>, SmpError> {
         let bridge = StreamBridge::new(device)?;
         let blas =
             CudaBlas::new(bridge.cuda_stream().clone()).map_err(|e| cuda_err("cublasCreate", e))?;
-        let e = Rc::new(GemmEngine { bridge, blas });
+        bridge.bind()?;
+        // SAFETY: a NUL-terminated PTX image; the module stays loaded for the process.
+        let wait = unsafe {
+            let module = cudarc::driver::result::module::load_data(WAIT_PTX.as_ptr().cast())
+                .map_err(|e| cuda_err("loading the GEMM wait kernel (cuModuleLoadData)", e))?;
+            cudarc::driver::result::module::get_function(
+                module,
+                std::ffi::CString::new("smp_wait_geq").expect("no NUL inside"),
+            )
+            .map_err(|e| cuda_err("cuModuleGetFunction", e))?
+        };
+        let e = Rc::new(GemmEngine { bridge, blas, wait });
         m.borrow_mut().insert(device, e.clone());
         Ok(e)
     })
@@ -171,8 +210,8 @@ fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
 /// How a GEMM batch waits for the Burn kernels before it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum GemmOrdering {
-    /// A one-thread kernel on Burn's stream writes an epoch to a flag that the GEMM stream
-    /// waits on (`cuStreamWaitValue32`): the GEMMs wait for Burn's stream alone.
+    /// A one-thread kernel on Burn's stream writes an epoch to a flag that a one-thread kernel
+    /// on the GEMM stream spins on ([`WAIT_PTX`]): the GEMMs wait for Burn's stream alone.
     Signal,
     /// A context-wide event (`cuCtxRecordEvent`): the GEMMs also wait for every collective in
     /// flight on the comm streams, which serializes FSDP's prefetched all-gathers and
@@ -277,20 +316,30 @@ fn issue_on_server(
     let (alpha, beta) = (1.0f32, 0.0f32);
     match after {
         Some((flag, epoch)) => {
-            let (flag, _guard) = ptr(&Operand { binding: flag, ld: 1 })?;
+            let (flag, _guard) = ptr(&Operand {
+                binding: flag,
+                ld: 1,
+            })?;
             e.bridge.bind()?;
-            // SAFETY: `flag` is a live 4-byte device buffer on this context (the guard holds
-            // it); the stream is the engine's own.
+            let (mut flag, mut epoch) = (flag, epoch);
+            let mut params = [
+                (&mut flag as *mut u64).cast::<std::ffi::c_void>(),
+                (&mut epoch as *mut u32).cast::<std::ffi::c_void>(),
+            ];
+            // SAFETY: the kernel takes (u64 pointer, u32) as passed; `flag` is a live 4-byte
+            // device buffer of this context (the guard and the signal state hold it); the
+            // stream is the engine's own.
             unsafe {
-                ds::cuStreamWaitValue32_v2(
+                cudarc::driver::result::launch_kernel(
+                    e.wait,
+                    (1, 1, 1),
+                    (1, 1, 1),
+                    0,
                     e.bridge.stream(),
-                    flag,
-                    epoch,
-                    ds::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                    &mut params,
                 )
             }
-            .result()
-            .map_err(|err| cuda_err("cuStreamWaitValue32", err))?;
+            .map_err(|err| cuda_err("launching the GEMM wait kernel", err))?;
         }
         None => e.bridge.server_to_comm()?,
     }

@@ -25,6 +25,7 @@ pub mod flat;
 pub mod fused;
 pub mod gemm;
 mod kernel_cache;
+pub mod xent;
 pub use kernel_cache::{configure_kernel_cache, kernel_cache_dir, user_cubecl_config};
 
 use std::any::Any;
