@@ -535,6 +535,8 @@ pub fn train_rank<B: AutodiffBackend>(
             .fsdp
             .mean_over_data_parallel(loss_acc.expect("accum >= 1") / accum as f32)?;
         let loss: f64 = loss.into_scalar().elem_to_f64();
+        // Reading the loss ran every GEMM queued before it: report any that failed.
+        smp_burn::cuda::gemm::async_error()?;
         let dt = t0.elapsed().as_secs_f64();
         start_step += 1;
         tokens_done += tokens_per_step;

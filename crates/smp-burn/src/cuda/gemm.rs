@@ -158,6 +158,20 @@ struct GemmCall {
     c: Operand,
 }
 
+/// The first cuBLAS failure of any GEMM issued so far, as an error that names the device and
+/// the cause. GEMMs are issued asynchronously (a failure surfaces at the next GEMM on the
+/// device); a trainer that reads a result back, such as the step's loss, checks this too, so
+/// that the last GEMMs of a run cannot fail unnoticed.
+pub fn async_error() -> Result<(), SmpError> {
+    let errors = ASYNC_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
+    match errors.first() {
+        Some((device, msg)) => Err(SmpError::Cuda(format!(
+            "a cuBLAS GEMM on CUDA device {device} failed: {msg}"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Panics with the message of an earlier asynchronous GEMM failure on `device`, if any.
 fn check_async_errors(device: usize) {
     let errors = ASYNC_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
