@@ -12,7 +12,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
@@ -204,12 +204,13 @@ fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
             .or_insert_with(|| DeviceHandle::new(CudaDevice { index: device }.to_id()))
             .clone()
     });
-    // Epochs must reach the server in the order they are taken: hold the lock across both.
-    let mut signals = SIGNALS.lock().unwrap_or_else(|e| e.into_inner());
-    let after = match gemm_ordering() {
-        GemmOrdering::Signal => Some(signals.signal(device)),
-        GemmOrdering::Context => None,
-    };
+    let signal = (gemm_ordering() == GemmOrdering::Signal).then(|| device_signal(device));
+    // Epochs must reach the server in the order they are taken: hold the device's lock across
+    // both.
+    let mut guard = signal
+        .as_ref()
+        .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()));
+    let after = guard.as_mut().map(|s| s.signal());
     handle.submit(move |server| {
         if let Err(e) = issue_on_server(server, device, dt, after, &calls) {
             let mut errors = ASYNC_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
@@ -218,7 +219,7 @@ fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
             }
         }
     });
-    drop(signals);
+    drop(guard);
 }
 
 /// How a GEMM batch waits for the Burn kernels before it.
@@ -255,48 +256,53 @@ mod signal {
     }
 }
 
-/// Per device: the flag Burn's stream writes and the last epoch written to it.
-#[derive(Default)]
-struct Signals {
-    flags: Vec<(usize, CubeTensor<CudaRuntime>, u32)>,
+/// The flag Burn's stream writes on one device and the last epoch written to it.
+struct DeviceSignal {
+    flag: CubeTensor<CudaRuntime>,
+    epoch: u32,
 }
 
-static SIGNALS: Mutex<Signals> = Mutex::new(Signals { flags: Vec::new() });
+/// One signal per device, each behind its own lock, so that ranks driving different devices
+/// never wait for each other here (a submit can block while that device's queue is full).
+static SIGNALS: Mutex<Vec<(usize, Arc<Mutex<DeviceSignal>>)>> = Mutex::new(Vec::new());
 
-impl Signals {
-    /// Queues the next epoch's signal kernel on `device` and returns the flag and epoch the
-    /// GEMM stream must wait for.
-    fn signal(&mut self, device: usize) -> (Binding, u32) {
-        let slot = match self.flags.iter().position(|(d, _, _)| *d == device) {
-            Some(i) => i,
-            None => {
-                let client = CudaRuntime::client(&CudaDevice { index: device });
-                let handle = client.create_from_slice(&[0u8; 4]);
-                let flag = CubeTensor::new_contiguous(
-                    client,
-                    CudaDevice { index: device },
-                    [1].into(),
-                    handle,
-                    BurnDType::U32,
-                );
-                self.flags.push((device, flag, 0));
-                self.flags.len() - 1
-            }
-        };
-        let (_, flag, epoch) = &mut self.flags[slot];
+/// `device`'s signal, created (a zeroed flag) on first use.
+fn device_signal(device: usize) -> Arc<Mutex<DeviceSignal>> {
+    let mut all = SIGNALS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, s)) = all.iter().find(|(d, _)| *d == device) {
+        return s.clone();
+    }
+    let client = CudaRuntime::client(&CudaDevice { index: device });
+    let handle = client.create_from_slice(&[0u8; 4]);
+    let flag = CubeTensor::new_contiguous(
+        client,
+        CudaDevice { index: device },
+        [1].into(),
+        handle,
+        BurnDType::U32,
+    );
+    let s = Arc::new(Mutex::new(DeviceSignal { flag, epoch: 0 }));
+    all.push((device, s.clone()));
+    s
+}
+
+impl DeviceSignal {
+    /// Queues the next epoch's signal kernel and returns the flag and epoch the GEMM stream
+    /// must wait for.
+    fn signal(&mut self) -> (Binding, u32) {
         // Wraps after four billion batches; an epoch is only compared with its neighbours.
-        *epoch = epoch.wrapping_add(1).max(1);
+        self.epoch = self.epoch.wrapping_add(1).max(1);
         // SAFETY: one cube of one thread writes element 0 of a one-element tensor.
         unsafe {
             signal::signal_kernel::launch_unchecked::<CudaRuntime>(
-                &flag.client,
+                &self.flag.client,
                 CubeCount::Static(1, 1, 1),
                 CubeDim::new_1d(1),
-                flag.clone().into_tensor_arg(),
-                *epoch,
+                self.flag.clone().into_tensor_arg(),
+                self.epoch,
             );
         }
-        (flag.handle.clone().binding(), *epoch)
+        (self.flag.handle.clone().binding(), self.epoch)
     }
 }
 
