@@ -41,11 +41,13 @@ pub struct StepMetrics {
     /// Peak device memory in bytes, where the backend reports it.
     #[serde(default)]
     pub peak_mem_bytes: Option<u64>,
-    /// Time spent waiting on collectives during the step, where measured.
+    /// Host time spent inside collective calls during the step, where measured. On CUDA this
+    /// includes waiting for CubeCL's full launch queue when the host runs ahead of the GPU, so
+    /// it is not exposed communication.
     #[serde(default)]
     pub comm_wait_ms: Option<f64>,
-    /// Device time of this step's collectives (NCCL, CUDA events), all of it exposed while
-    /// communication does not overlap compute.
+    /// Device time of this step's collectives (NCCL, CUDA events). With `prefetch_depth` 1 part
+    /// of it runs beside compute; the step minus a run without collectives is what is exposed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_device_ms: Option<f64>,
     /// Host time until forward and backward of the step were queued (before the optimizer);

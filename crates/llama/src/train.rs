@@ -592,7 +592,7 @@ pub fn train_rank<B: AutodiffBackend>(
         let eval_step = val_loss.is_some();
         if bar.is_none() && lead && (start_step % log_every == 0 || eval_step) {
             tracing::info!(
-                "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms (fwd+bwd issued in {:.0}) | {tokens_per_sec:.0} tok/s{} | {:.1} GFLOP/s/device{} | grad norm {:.3} | comm wait {:.1} ms{}{}",
+                "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms (fwd+bwd issued in {:.0}) | {tokens_per_sec:.0} tok/s{} | {:.1} GFLOP/s/device{} | grad norm {:.3} | host in comm calls {:.1} ms{}{}",
                 cfg.steps,
                 val_loss.map(|v| format!(" val {v:.4}")).unwrap_or_default(),
                 dt * 1e3,
@@ -611,7 +611,7 @@ pub fn train_rank<B: AutodiffBackend>(
                 stats
                     .comm
                     .device
-                    .map(|d| format!(" (NCCL {:.1} ms, exposed)", d.as_secs_f64() * 1e3))
+                    .map(|d| format!(" (NCCL device time {:.1} ms)", d.as_secs_f64() * 1e3))
                     .unwrap_or_default(),
                 memory_in_use()
                     .map(|b| format!(" | mem {:.1} GiB", b as f64 / (1u64 << 30) as f64))

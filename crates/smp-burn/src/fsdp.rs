@@ -82,13 +82,15 @@ pub struct FsdpContext<IB: Backend> {
 /// Time and bytes spent in collectives on this rank since the last [`FsdpContext::take_stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct CommStats {
-    /// Wall time spent inside collective calls (host-visible waiting).
+    /// Wall time spent inside collective calls on the host. On CUDA the calls only queue work,
+    /// so this is mostly the host waiting for CubeCL's launch queue when it runs ahead of the
+    /// GPU, not exposed communication.
     pub wait: Duration,
     /// Number of collective calls.
     pub calls: u64,
     /// Device time the collectives ran (NCCL, timed with CUDA events); `None` where the
-    /// communicator does not measure it. With no overlap of communication and compute yet,
-    /// all of it is exposed: the step is this much longer than its compute.
+    /// communicator does not measure it. With `prefetch_depth` 1 part of it runs beside
+    /// compute.
     pub device: Option<Duration>,
 }
 
