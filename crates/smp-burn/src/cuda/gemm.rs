@@ -163,8 +163,12 @@ struct GemmCall {
 /// device); a trainer that reads a result back, such as the step's loss, checks this too, so
 /// that the last GEMMs of a run cannot fail unnoticed.
 pub fn async_error() -> Result<(), SmpError> {
+    first_async_error(|_| true)
+}
+
+fn first_async_error(on: impl Fn(usize) -> bool) -> Result<(), SmpError> {
     let errors = ASYNC_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
-    match errors.first() {
+    match errors.iter().find(|(d, _)| on(*d)) {
         Some((device, msg)) => Err(SmpError::Cuda(format!(
             "a cuBLAS GEMM on CUDA device {device} failed: {msg}"
         ))),
@@ -174,9 +178,8 @@ pub fn async_error() -> Result<(), SmpError> {
 
 /// Panics with the message of an earlier asynchronous GEMM failure on `device`, if any.
 fn check_async_errors(device: usize) {
-    let errors = ASYNC_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, msg)) = errors.iter().find(|(d, _)| *d == device) {
-        panic!("an earlier cuBLAS GEMM on CUDA device {device} failed: {msg}");
+    if let Err(e) = first_async_error(|d| d == device) {
+        panic!("{e}");
     }
 }
 
@@ -192,9 +195,8 @@ fn check_async_errors(device: usize) {
 fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
     check_async_errors(device);
     if super::legacy_flush() {
-        CudaRuntime::client(&CudaDevice { index: device })
-            .flush()
-            .unwrap_or_else(|e| panic!("CubeCL flush before a GEMM: {e:?}"));
+        super::flush_with_fence_wait(device)
+            .unwrap_or_else(|e| panic!("before a GEMM on CUDA device {device}: {e}"));
     }
     let dt =
         cublas_dtype(dtype).unwrap_or_else(|| panic!("cuBLAS linear: unsupported dtype {dtype:?}"));
@@ -317,9 +319,9 @@ fn issue_on_server(
 ) -> Result<(), SmpError> {
     let e = engine(device)?;
     let stream = StreamId::current();
-    let mut ptr = |op: &Operand| {
+    let mut ptr = |binding: &Binding| {
         server
-            .get_resource(op.binding.clone(), stream)
+            .get_resource(binding.clone(), stream)
             .map(|r| (r.resource().ptr, r))
             .map_err(|e| cuda_err("resolving a Burn buffer for cuBLAS", e))
     };
@@ -336,10 +338,7 @@ fn issue_on_server(
     let (alpha, beta) = (1.0f32, 0.0f32);
     match after {
         Some((flag, epoch)) => {
-            let (flag, _guard) = ptr(&Operand {
-                binding: flag,
-                ld: 1,
-            })?;
+            let (flag, _guard) = ptr(&flag)?;
             e.bridge.bind()?;
             let (mut flag, mut epoch) = (flag, epoch);
             let mut params = [
@@ -364,7 +363,8 @@ fn issue_on_server(
         None => e.bridge.server_to_comm()?,
     }
     for c in calls {
-        let ((a, _ga), (b, _gb), (out, _gc)) = (ptr(&c.a)?, ptr(&c.b)?, ptr(&c.c)?);
+        let ((a, _ga), (b, _gb), (out, _gc)) =
+            (ptr(&c.a.binding)?, ptr(&c.b.binding)?, ptr(&c.c.binding)?);
         // SAFETY: the pointers come from live allocations (the bindings hold them) of at least
         // the sizes the leading dimensions and extents describe (checked by the callers' shape
         // logic), on `device`, whose context the bridge made current; the stream is the

@@ -188,6 +188,14 @@ pub fn legacy_flush() -> bool {
     *ON.get_or_init(|| std::env::var("SMP_BURN_LEGACY_FLUSH").is_ok_and(|v| v == "1"))
 }
 
+/// The ordering of sessions 2-4 ([`legacy_flush`]): CubeCL's flush of device `index`, which
+/// waits on the host for the fence of the previous flush.
+pub(crate) fn flush_with_fence_wait(index: usize) -> Result<(), SmpError> {
+    CudaRuntime::client(&CudaDevice { index })
+        .flush()
+        .map_err(|e| cuda_err("CubeCL flush", e))
+}
+
 /// A CUDA event handle owned by a [`StreamBridge`].
 struct Event(ds::CUevent);
 
@@ -267,11 +275,7 @@ impl StreamBridge {
         // on a fence recorded at the previous flush (CubeCL's drop queue), which kept the host
         // from ever running more than one collective or GEMM ahead of the GPU.
         if legacy_flush() {
-            CudaRuntime::client(&CudaDevice {
-                index: self.server.device_id().index_id as usize,
-            })
-            .flush()
-            .map_err(|e| cuda_err("CubeCL flush", e))?;
+            flush_with_fence_wait(self.server.device_id().index_id as usize)?;
         } else {
             self.server
                 .submit_blocking(|_| ())
@@ -285,17 +289,6 @@ impl StreamBridge {
     /// no flush (which would be a call back into the same thread) is needed.
     pub fn server_to_comm(&self) -> Result<(), SmpError> {
         self.bind()?;
-        self.comm_waits_for_context()
-    }
-
-    /// Makes the bridge's context current on the calling thread.
-    pub fn bind(&self) -> Result<(), SmpError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_err("cuCtxSetCurrent", e))
-    }
-
-    fn comm_waits_for_context(&self) -> Result<(), SmpError> {
         // SAFETY: the context, event and stream are live and belong to the same device.
         unsafe {
             ds::cuCtxRecordEvent(self.ctx.cu_ctx(), self.ev_to_comm.0)
@@ -306,6 +299,13 @@ impl StreamBridge {
                 .map_err(|e| cuda_err("cuStreamWaitEvent", e))?;
         }
         Ok(())
+    }
+
+    /// Makes the bridge's context current on the calling thread.
+    pub fn bind(&self) -> Result<(), SmpError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))
     }
 
     /// Makes all work submitted to the device from now on (Burn's next kernels) wait, on the
