@@ -11,7 +11,8 @@
 //! 1e-3 (the f32 run of the plain variant), unless the max abs error is below 1e-4 (a
 //! reference that is zero up to rounding, e.g. dQ and dK at S = 1).
 //!
-//! Bench: causal, B=1, 32 q and 32 kv heads, hd 128, S = 4096 and 16384; forward and backward
+//! Bench: causal, B=1, 32 q and 32 kv heads, hd 128 (`--head-dim 64`: the 1b preset's), S = 4096
+//! and 16384 (`--lens 4096,8192`: others); forward and backward
 //! TFLOP/s (forward 4*B*H*S*S*D/2, backward 2.5x that), timed between device syncs.
 //!
 //! The shapes include S = 1, 65, 77, 129, 200, 300, 333, 1000, 1024, GQA (4 q heads on 2 or 1
@@ -37,7 +38,7 @@
 //! `--variant plain|cmma|mma` (only that one), `--mma-tiling 4x1|8x1|4x2|8x2[-cp]|all` (default
 //! all), `--mma-bwd-tiling {4,8}x{32,64}-{atomic,split}[-pf|-cp][-vd]|all` (default all; the
 //! names `MmaBwdTiling::ALL` lists, printed by an unknown name), `--iters N` (timed
-//! iterations, default 10).
+//! iterations, default 10), `--head-dim 64|128` and `--lens L1,L2,..` (bench shapes).
 //! Lines starting `RESULT|` are for machines:
 //! `RESULT|check|variant|dtype|shape|tensor|max_abs|rel|ok`,
 //! `RESULT|probe|mma|tensor|max_abs|ok` and
@@ -72,6 +73,10 @@ struct Args {
     /// Mma backward tilings to check and bench.
     bwd_tilings: Vec<MmaBwdTiling>,
     iters: usize,
+    /// Head dim of the bench shapes (the checks cover 64 and 128 either way).
+    bench_head_dim: usize,
+    /// Sequence lengths of the bench; `None`: 4096 and 16384 (4096 with `--quick`).
+    bench_lens: Option<Vec<usize>>,
 }
 
 fn parse_args() -> Args {
@@ -83,6 +88,8 @@ fn parse_args() -> Args {
         tilings: MmaTiling::ALL.to_vec(),
         bwd_tilings: MmaBwdTiling::ALL.to_vec(),
         iters: 10,
+        bench_head_dim: 128,
+        bench_lens: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -130,6 +137,20 @@ fn parse_args() -> Args {
                     .next()
                     .and_then(|s| s.parse().ok())
                     .expect("--iters needs a number")
+            }
+            "--head-dim" => {
+                a.bench_head_dim = it
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .filter(|d| *d == 64 || *d == 128)
+                    .expect("--head-dim takes 64 or 128")
+            }
+            "--lens" => {
+                a.bench_lens = Some(
+                    it.next()
+                        .and_then(|s| s.split(',').map(|l| l.parse().ok()).collect())
+                        .expect("--lens takes comma-separated lengths, e.g. 4096,16384"),
+                )
             }
             other => panic!("unknown flag {other}"),
         }
@@ -245,10 +266,10 @@ fn errors(a: &[f32], b: &[f32]) -> (f32, f32) {
 }
 
 /// The label of a variant in the output: `plain`, `cmma`, or `mma[WxM,BWD]` with the Mma
-/// forward and backward tilings currently set.
-fn variant_name(v: FlashVariant) -> String {
+/// forward and backward tilings currently set (the forward's default depends on the head dim).
+fn variant_name(v: FlashVariant, head_dim: usize) -> String {
     let name = match v {
-        FlashVariant::Mma => format!("mma[{},{}]", mma_tiling(), mma_bwd_tiling()),
+        FlashVariant::Mma => format!("mma[{},{}]", mma_tiling(head_dim), mma_bwd_tiling()),
         other => other.name().to_string(),
     };
     format!("{name}/{}", flash_layout().name())
@@ -429,12 +450,12 @@ fn check_case(
     if !layout_ok {
         println!(
             "FAIL {:26} {dname:4} {shape:26}: outputs not in the {} memory order",
-            variant_name(variant),
+            variant_name(variant, d),
             layout.name()
         );
         println!(
             "RESULT|check|{}|{dname}|{shape}|layout|0|0|false",
-            variant_name(variant)
+            variant_name(variant, d)
         );
     }
     for (name, a, r) in got {
@@ -446,7 +467,7 @@ fn check_case(
         println!(
             "{} {:26} {:4} {:26} {:3}: max_abs {:.3e} rel {:.3e}{}",
             if ok { "ok  " } else { "FAIL" },
-            variant_name(variant),
+            variant_name(variant, d),
             dname,
             shape,
             name,
@@ -462,7 +483,7 @@ fn check_case(
         );
         println!(
             "RESULT|check|{}|{dname}|{shape}|{name}|{abs:e}|{rel:e}|{ok}",
-            variant_name(variant)
+            variant_name(variant, d)
         );
     }
     all_ok
@@ -473,8 +494,8 @@ fn sync(dev: &CudaDevice) {
 }
 
 /// Forward and backward TFLOP/s at one sequence length.
-fn bench_case(dev: &CudaDevice, variant: FlashVariant, s: usize, iters: usize) {
-    let (b, h, d) = (1usize, 32usize, 128usize);
+fn bench_case(dev: &CudaDevice, variant: FlashVariant, s: usize, d: usize, iters: usize) {
+    let (b, h) = (1usize, 32usize);
     let scale = 1.0 / (d as f32).sqrt();
     let rnd = || {
         prim(
@@ -527,7 +548,7 @@ fn bench_case(dev: &CudaDevice, variant: FlashVariant, s: usize, iters: usize) {
     let (ft, bt) = (fwd_flops / fwd_s / 1e12, bwd_flops / bwd_s / 1e12);
     println!(
         "bench {:26} causal B{b} H{h} D{d} S{s:6}: fwd {:8.3} ms {:7.1} TFLOP/s | bwd ({} kernels) {:8.3} ms {:7.1} TFLOP/s",
-        variant_name(variant),
+        variant_name(variant, d),
         fwd_s * 1e3,
         ft,
         variant.name(),
@@ -536,7 +557,7 @@ fn bench_case(dev: &CudaDevice, variant: FlashVariant, s: usize, iters: usize) {
     );
     println!(
         "RESULT|bench|{}|{s}|{:.4}|{ft:.2}|{:.4}|{bt:.2}",
-        variant_name(variant),
+        variant_name(variant, d),
         fwd_s * 1e3,
         bwd_s * 1e3
     );
@@ -655,7 +676,11 @@ fn main() {
     }
 
     if args.bench {
-        let lens: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
+        let lens: &[usize] = match &args.bench_lens {
+            Some(l) => l,
+            None if args.quick => &[4096],
+            None => &[4096, 16384],
+        };
         for &(variant, tilings) in &runs {
             set_tilings(tilings);
             for &s in lens {
@@ -665,7 +690,7 @@ fn main() {
                 } else {
                     args.iters
                 };
-                bench_case(&dev, variant, s, iters);
+                bench_case(&dev, variant, s, args.bench_head_dim, iters);
             }
         }
     }

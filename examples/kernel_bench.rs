@@ -5,6 +5,8 @@
 //! `kernel_bench attention`: only the attention part of `check`.
 //! `kernel_bench xent`: only the LM-head loss part of `check` (fused softmax kernels against
 //! Burn's ops), with the time of each.
+//! `kernel_bench embed`: only the embedding-gradient part of `check` (one kernel against Burn's
+//! `select_assign`), with the time of each.
 //! `kernel_bench adamw`: the fused AdamW and gradient-norm (weighted sum of squares) checks, then
 //! their bandwidth against the Burn-ops versions.
 //! `kernel_bench gemm`: linear-layer GEMM TFLOP/s at the Llama 1B and 7B shapes, three ways in
@@ -202,6 +204,82 @@ fn check_xent() -> bool {
     ok
 }
 
+/// The embedding's table gradient through [`smp_burn::cuda::embedding`] (fast path `embed`)
+/// and through Burn's `select_assign`, each against the sum computed on the host in f64 from
+/// the same ids and upstream gradient; ids drawn from a small range so that tokens repeat (and
+/// from the whole table for the 1b shape). Only ours must pass; Burn's error is printed beside
+/// it (it adds in the table's dtype, so bf16 rows with many repeats drift).
+fn check_embedding() -> bool {
+    let dev = device();
+    let mut ok = true;
+    // (tokens, dim, vocab, ids drawn below, dtype): repeats, odd widths, the 1b shape.
+    let cases = [
+        (1, 8, 5, 5, DType::F32),
+        (77, 24, 300, 7, DType::F32),
+        (257, 100, 1000, 1000, DType::BF16),
+        (4096, 2048, 32000, 2048, DType::BF16),
+        (4096, 2048, 32000, 32000, DType::BF16),
+    ];
+    for (tokens, dim, vocab, draw, dtype) in cases {
+        let w =
+            Tensor::<B, 2>::random([vocab, dim], Distribution::Normal(0.0, 1.0), &dev).cast(dtype);
+        let ids = Tensor::<B, 2, burn::tensor::Int>::random(
+            [1, tokens],
+            Distribution::Uniform(0.0, draw as f64),
+            &dev,
+        );
+        let r = Tensor::<B, 3>::random([1, tokens, dim], Distribution::Normal(0.0, 1.0), &dev)
+            .cast(dtype);
+        let run = |embed: bool| {
+            set_fast_paths(FastPaths {
+                embed,
+                ..FastPaths::ALL
+            });
+            let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
+            let y = ops::embedding(wa.clone(), Tensor::from_inner(ids.clone()));
+            let g = (y * Tensor::from_inner(r.clone())).sum().backward();
+            wa.grad(&g).expect("dw")
+        };
+        let (ours, burn) = (host(run(true)), host(run(false)));
+        let (hid, hr): (Vec<i64>, Vec<f32>) = (
+            ids.clone().into_data().convert::<i64>().to_vec().unwrap(),
+            host(r.clone()),
+        );
+        let mut exact = vec![0f64; vocab * dim];
+        for (t, &id) in hid.iter().enumerate() {
+            for c in 0..dim {
+                exact[id as usize * dim + c] += hr[t * dim + c] as f64;
+            }
+        }
+        let exact: Vec<f32> = exact.into_iter().map(|v| v as f32).collect();
+        let (e, e_burn) = (rel_err(&ours, &exact), rel_err(&burn, &exact));
+        // Summed in f32 in token order, rounded once to the dtype: f32 rounding of a few
+        // terms, or half a bf16 step (2^-9) plus that.
+        let tol = if dtype == DType::BF16 { 5e-3 } else { 1e-5 };
+        let pass = e <= tol;
+        ok &= pass;
+        let time = |embed: bool| {
+            let _ = run(embed);
+            B::sync(&dev).unwrap();
+            let t0 = Instant::now();
+            for _ in 0..5 {
+                let _ = run(embed);
+            }
+            B::sync(&dev).unwrap();
+            t0.elapsed().as_secs_f64() * 1e3 / 5.0
+        };
+        let (t_ours, t_ref) = (time(true), time(false));
+        println!(
+            "embed {dtype:?} ids[{tokens}] < {draw} table[{vocab},{dim}]: dw rel err {e:.2e} \
+             (tolerance {tol:.0e}) {} (select_assign {e_burn:.2e}); fwd+bwd {t_ours:.3} ms \
+             ours, {t_ref:.3} ms select_assign",
+            if pass { "ok" } else { "FAIL" }
+        );
+    }
+    set_fast_paths(FastPaths::ALL);
+    ok
+}
+
 /// Flash attention through the autodiff op (the path the model takes) against the reference
 /// attention on the same GPU in f32 from the same bf16-rounded inputs: output and the three
 /// input gradients of `sum(o * r)`.
@@ -300,25 +378,32 @@ fn adamw_hp(step: i32) -> AdamWStep {
 fn check_adamw() -> bool {
     let dev = device();
     let mut ok = true;
-    for (len, runs) in [
+    for case in [
         (1usize, vec![(0..1, true)]),
         (1000, vec![(0..600, true), (600..1000, false)]),
         (
             4097,
             vec![(0..7, false), (7..4000, true), (4000..4097, false)],
         ),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|case| [(case.clone(), DType::F32), (case, DType::BF16)])
+    {
+        let ((len, runs), grad_dtype) = case;
         let rnd = |scale: f32| {
             Tensor::<B, 1>::random([len], Distribution::Normal(0.0, scale as f64), &dev)
         };
-        let (p, g, m) = (rnd(1.0), rnd(1.0), rnd(0.1));
+        // The reference reads the gradient as the kernel does: rounded to its dtype.
+        let (p, g, m) = (rnd(1.0), rnd(1.0).cast(grad_dtype), rnd(0.1));
         let v = rnd(0.01).abs();
         let scale = Tensor::<B, 1>::from_floats([0.5], &dev);
         let hp = adamw_hp(3);
         let h = |t: &Tensor<B, 1>| host(t.clone());
         let (hp_, hg, hm, hv) = (h(&p), h(&g), h(&m), h(&v));
         let prim = |t: &Tensor<B, 1>| t.clone().into_primitive().tensor();
-        let (np, nm, nv) = adamw_step(
+        // The bf16-gradient cases also ask for the bf16 copy of the updated weights.
+        let copy_dtype = (grad_dtype == DType::BF16).then_some(DType::BF16);
+        let (np, nm, nv, copy) = adamw_step(
             prim(&p).copy(),
             prim(&m).copy(),
             prim(&v).copy(),
@@ -326,8 +411,23 @@ fn check_adamw() -> bool {
             prim(&scale),
             hp,
             &runs,
+            copy_dtype,
         );
-        let back = |c| host(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(c)));
+        let float = |c| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(c));
+        // The copy must be the updated master rounded to bf16, bit for bit.
+        let copy_ok = match copy {
+            None => copy_dtype.is_none(),
+            Some(c) => {
+                let want = host(float(np.clone()).cast(DType::BF16));
+                let got = host(float(c));
+                got.len() == want.len()
+                    && got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+            }
+        };
+        let back = |c| host(float(c));
         let got = [back(np), back(nm), back(nv)];
         let mut want = [vec![0f32; len], vec![0f32; len], vec![0f32; len]];
         for (r, decays) in &runs {
@@ -340,14 +440,19 @@ fn check_adamw() -> bool {
         }
         let e: Vec<f32> = (0..3).map(|k| rel_err(&got[k], &want[k])).collect();
         // f32 arithmetic against f64: a few ulps of the largest value.
-        let pass = e.iter().all(|&x| x <= 1e-5);
+        let pass = e.iter().all(|&x| x <= 1e-5) && copy_ok;
         ok &= pass;
         println!(
-            "adamw f32 len {len} runs {}: rel err master {:.2e} exp_avg {:.2e} exp_avg_sq {:.2e} (tolerance 1e-5) {}",
+            "adamw grad {grad_dtype:?} len {len} runs {}: rel err master {:.2e} exp_avg {:.2e} exp_avg_sq {:.2e} (tolerance 1e-5), copy {} {}",
             runs.len(),
             e[0],
             e[1],
             e[2],
+            match copy_dtype {
+                Some(_) if copy_ok => "bf16 bitwise",
+                Some(_) => "WRONG",
+                None => "none",
+            },
             if pass { "ok" } else { "FAIL" }
         );
     }
@@ -368,18 +473,24 @@ fn bench_adamw() {
     // Moved in and out by value so that every buffer is uniquely held and updated in place,
     // as in training (a second handle would make the kernel copy first).
     let mut state = Some((prim(rnd()), prim(rnd()), prim(rnd().abs())));
-    let fused = time(10, || {
-        let (a, b, c) = state.take().expect("state is put back after each call");
-        state = Some(adamw_step(
-            a,
-            b,
-            c,
-            prim(g.clone()),
-            prim(scale.clone()),
-            hp,
-            &runs,
-        ));
-    });
+    let mut fused_with = |copy_dtype: Option<DType>| {
+        time(10, || {
+            let (a, b, c) = state.take().expect("state is put back after each call");
+            let (a, b, c, _copy) = adamw_step(
+                a,
+                b,
+                c,
+                prim(g.clone()),
+                prim(scale.clone()),
+                hp,
+                &runs,
+                copy_dtype,
+            );
+            state = Some((a, b, c));
+        })
+    };
+    let fused = fused_with(None);
+    let fused_copy = fused_with(Some(DType::BF16));
     drop(state);
     let (mut p, mut m, mut v) = (rnd(), rnd(), rnd().abs());
     let mask = Tensor::cat(
@@ -401,9 +512,12 @@ fn bench_adamw() {
     });
     let bytes = 28.0 * n as f64;
     println!(
-        "adamw {n} f32 params: fused {:.3} ms ({:.0} GB/s effective, 28 B/param), Burn ops {:.3} ms ({:.1}x)",
+        "adamw {n} f32 params: fused {:.3} ms ({:.0} GB/s effective, 28 B/param), with the bf16 \
+         copy {:.3} ms ({:.0} GB/s, 30 B/param), Burn ops {:.3} ms ({:.1}x)",
         fused * 1e3,
         bytes / fused / 1e9,
+        fused_copy * 1e3,
+        30.0 * n as f64 / fused_copy / 1e9,
         reference * 1e3,
         reference / fused
     );
@@ -414,7 +528,7 @@ fn bench_adamw() {
 fn check_sq_sum() -> bool {
     let dev = device();
     let mut ok = true;
-    for (len, runs) in [
+    for case in [
         (1usize, vec![(0..1, 1.0f32)]),
         (1000, vec![(0..600, 1.0), (600..1000, 0.25)]),
         (4097, vec![(7..4000, 1.0), (4000..4097, 0.5)]),
@@ -423,8 +537,12 @@ fn check_sq_sum() -> bool {
             vec![(0..2_999_000, 1.0), (2_999_000..3_000_001, 0.5)],
         ),
         (10, vec![]),
-    ] {
-        let x = Tensor::<B, 1>::random([len], Distribution::Normal(0.0, 1.0), &dev);
+    ]
+    .into_iter()
+    .flat_map(|case| [(case.clone(), DType::F32), (case, DType::BF16)])
+    {
+        let ((len, runs), dtype) = case;
+        let x = Tensor::<B, 1>::random([len], Distribution::Normal(0.0, 1.0), &dev).cast(dtype);
         let hx = host(x.clone());
         let want: f64 = runs
             .iter()
@@ -448,7 +566,7 @@ fn check_sq_sum() -> bool {
         };
         ok &= pass;
         println!(
-            "sq_sum f32 len {len} runs {}: {got:.6e} against {want:.6e}, rel err {err:.2e} (tolerance 1e-5) {}",
+            "sq_sum {dtype:?} len {len} runs {}: {got:.6e} against {want:.6e}, rel err {err:.2e} (tolerance 1e-5) {}",
             runs.len(),
             if pass { "ok" } else { "FAIL" }
         );
@@ -456,16 +574,20 @@ fn check_sq_sum() -> bool {
     ok
 }
 
-/// Gradient packing into the flat f32 buffer against `cast` + `cat`: bf16 and f32 pieces, odd
+/// Gradient packing into the flat buffer (f32, and bf16 for unsharded units) against `cast` + `cat`: bf16 and f32 pieces, odd
 /// lengths (so the vector width changes from piece to piece), padding after them.
 fn check_pack() -> bool {
     let dev = device();
     let mut ok = true;
-    for (lens, total) in [
+    for case in [
         (vec![7usize], 7usize),
         (vec![16, 3, 8, 1, 4096], 4200),
         (vec![2048 * 5632, 2048, 77], 2048 * 5632 + 2048 + 80),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|case| [(case.clone(), DType::F32), (case, DType::BF16)])
+    {
+        let ((lens, total), dtype) = case;
         let pieces: Vec<Tensor<B, 1>> = lens
             .iter()
             .enumerate()
@@ -474,21 +596,21 @@ fn check_pack() -> bool {
                 if k % 2 == 0 { t.cast(DType::BF16) } else { t }
             })
             .collect();
-        let mut want: Vec<Tensor<B, 1>> =
-            pieces.iter().map(|p| p.clone().cast(DType::F32)).collect();
+        let mut want: Vec<Tensor<B, 1>> = pieces.iter().map(|p| p.clone().cast(dtype)).collect();
         let used: usize = lens.iter().sum();
         // Burn cannot launch on an empty tensor, so padding only where there is some.
         if total > used {
-            want.push(Tensor::zeros([total - used], &dev));
+            want.push(Tensor::<B, 1>::zeros([total - used], &dev).cast(dtype));
         }
         let want = host(Tensor::cat(want, 0));
         let got = host(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
-            smp_burn::cuda::flat::pack_f32(
+            smp_burn::cuda::flat::pack(
                 pieces
                     .into_iter()
                     .map(|p| p.into_primitive().tensor())
                     .collect(),
                 total,
+                dtype,
             ),
         )));
         // A cast is exact: the packed buffer must equal cast + cat bit for bit.
@@ -499,7 +621,7 @@ fn check_pack() -> bool {
                 .all(|(a, b)| a.to_bits() == b.to_bits());
         ok &= pass;
         println!(
-            "pack_f32 pieces {:?} into {total}: {}",
+            "pack pieces {:?} into {total} {dtype:?}: {}",
             lens,
             if pass { "ok (bitwise)" } else { "FAIL" }
         );
@@ -660,8 +782,10 @@ fn main() {
                 ok &= check_sq_sum();
                 ok &= check_pack();
                 ok &= check_xent();
+                ok &= check_embedding();
             }
             "xent" => ok &= check_xent(),
+            "embed" => ok &= check_embedding(),
             "adamw" => {
                 ok &= check_adamw();
                 ok &= check_sq_sum();
@@ -672,7 +796,9 @@ fn main() {
             "attention" => ok &= check_attention(),
             "gemm" => gemm(),
             other => {
-                eprintln!("unknown part {other:?}: use check, attention, xent, adamw and/or gemm");
+                eprintln!(
+                    "unknown part {other:?}: use check, attention, xent, embed, adamw and/or gemm"
+                );
                 std::process::exit(2);
             }
         }

@@ -127,7 +127,7 @@ pub fn train_rank(
             .optimizer_step(&opt, 1e-2, step as u64 + 1, Some(1.0))
             .expect("optimizer");
         result.losses.push(loss_sum);
-        result.grad_norms.push(stats.grad_norm);
+        result.grad_norms.push(stats.grad_norm_now());
     }
     result.state_bytes = model.state_bytes();
     result.params = model

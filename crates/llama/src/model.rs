@@ -74,7 +74,7 @@ impl<B: Backend> Embedding<B> {
 
     /// `[batch, seq]` token ids to `[batch, seq, hidden]`.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        burn::tensor::module::embedding(self.weight.val(), tokens)
+        ops::embedding(self.weight.val(), tokens)
     }
 }
 

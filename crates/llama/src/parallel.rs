@@ -106,12 +106,27 @@ type RopeTables<B> = (usize, Tensor<B, 2>, Tensor<B, 2>);
 pub type NamedTensors = Vec<(String, Vec<usize>, Vec<f32>)>;
 
 /// Per-step numbers the trainer reports.
-#[derive(Debug, Clone, Copy)]
-pub struct StepStats {
-    /// Global gradient norm before clipping.
-    pub grad_norm: f64,
+#[derive(Debug, Clone)]
+pub struct StepStats<IB: Backend> {
+    /// Global gradient norm before clipping, on the device (one element): reading it is a
+    /// host sync, which the trainer defers (`smp_burn::readback`).
+    pub grad_norm: Tensor<IB, 1>,
     /// Time in collectives and calls made.
     pub comm: CommStats,
+}
+
+impl<IB: Backend> StepStats<IB> {
+    /// The gradient norm on the host (waits for the device).
+    pub fn grad_norm_now(&self) -> f64 {
+        self.grad_norm
+            .clone()
+            .into_data()
+            .convert::<f64>()
+            .to_vec::<f64>()
+            .ok()
+            .and_then(|v| v.first().copied())
+            .unwrap_or(f64::NAN)
+    }
 }
 
 impl<B: AutodiffBackend> ShardedLlama<B> {
@@ -462,7 +477,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         lr: f64,
         step: u64,
         max_norm: Option<f64>,
-    ) -> Result<StepStats> {
+    ) -> Result<StepStats<B::InnerBackend>> {
         // `forward_backward` leaves no reduce pending; this keeps the gradients complete even
         // for a caller that drives the units another way (a no-op otherwise).
         self.finish_grads()?;

@@ -506,6 +506,7 @@ pub fn train_rank<B: AutodiffBackend>(
     let run_start = Instant::now();
     let mut tokens_done = 0u64;
     let clip = (cfg.grad_clip > 0.0).then_some(cfg.grad_clip);
+    let mut pending: Option<PendingStep> = None;
 
     while start_step < cfg.steps {
         let step = start_step;
@@ -530,98 +531,126 @@ pub fn train_rank<B: AutodiffBackend>(
         // The host returns from queuing forward and backward long before the GPU finishes them
         // unless the step is host-bound: this against the step time tells which one it is.
         let issued = t0.elapsed().as_secs_f64();
+        // The previous step's numbers: their copies were queued behind that step's work, long
+        // done by now, so this does not wait for the work just queued (see `smp_burn::readback`).
+        let mut ready = Vec::with_capacity(2);
+        if let Some(prev) = pending.take() {
+            ready.push(prev.finish(t0)?);
+        }
         let stats = model.optimizer_step(&cfg.adamw, lr, step + 1, clip)?;
         let loss = groups
             .fsdp
             .mean_over_data_parallel(loss_acc.expect("accum >= 1") / accum as f32)?;
-        let loss: f64 = loss.into_scalar().elem_to_f64();
-        // Reading the loss ran every GEMM queued before it: report any that failed.
-        smp_burn::cuda::gemm::async_error()?;
-        let dt = t0.elapsed().as_secs_f64();
         start_step += 1;
-        tokens_done += tokens_per_step;
-        last_loss = loss;
-        losses.push(loss);
-        train_curve.push((start_step, loss));
-        if !loss.is_finite() {
-            return Err(LlamaError::Config(format!(
-                "training diverged at step {start_step}: loss {loss}; try a lower learning rate (now {lr:.2e})"
-            )));
-        }
-
-        let evaluate = can_evaluate
-            && (start_step == cfg.steps
-                || (cfg.eval_interval > 0 && start_step % cfg.eval_interval == 0));
-        let val_loss = if evaluate {
-            Some(evaluate_loss(&model, prepared, &groups, device)?)
-        } else {
-            None
+        let this = PendingStep {
+            step: start_step,
+            lr,
+            started: t0,
+            issued,
+            loss: smp_burn::readback::read_later(loss)?,
+            grad_norm: smp_burn::readback::read_later(stats.grad_norm)?,
+            comm: stats.comm,
+            evaluate: can_evaluate
+                && (start_step == cfg.steps
+                    || (cfg.eval_interval > 0 && start_step % cfg.eval_interval == 0)),
+            save: cfg.checkpoints && start_step == cfg.steps
+                || (cfg.checkpoint_interval > 0 && start_step % cfg.checkpoint_interval == 0),
         };
-        if let Some(v) = val_loss {
-            last_val = Some(v);
-            val_curve.push((start_step, v));
+        // Evaluating, saving and the last step need this step's numbers (and a quiet GPU) now;
+        // other steps are reported once the next step's work is queued.
+        if this.evaluate || this.save || start_step == cfg.steps {
+            ready.push(this.finish(Instant::now())?);
+        } else {
+            pending = Some(this);
         }
-        let tokens_per_sec = tokens_per_step as f64 / dt;
-        let tflops = flops_per_token * tokens_per_sec / world as f64 / 1e12;
-        if let Some(m) = metrics.as_mut() {
-            m.log(&StepMetrics {
-                step: start_step,
-                loss,
-                val_loss,
+        for report in ready {
+            let StepReport {
+                step: reported,
                 lr,
-                grad_norm: stats.grad_norm,
-                tokens_per_sec,
-                tflops_per_device: tflops,
-                mfu: peak_flops.map(|p| tflops * 1e12 / p).unwrap_or(f64::NAN),
-                peak_mem_bytes: memory_in_use(),
-                comm_wait_ms: Some(stats.comm.wait.as_secs_f64() * 1e3),
-                comm_device_ms: stats.comm.device.map(|d| d.as_secs_f64() * 1e3),
-                host_issue_ms: Some(issued * 1e3),
-            })?;
-        }
-        if let Some(bar) = &bar {
-            let val = val_loss
-                .or(last_val)
-                .map(|v| format!(" val {v:.3}"))
-                .unwrap_or_default();
-            bar.set_message(format!(
-                "loss {loss:.3}{val} | {tokens_per_sec:.0} tok/s | lr {lr:.1e}"
-            ));
-            bar.set_position(start_step);
-        }
-        let eval_step = val_loss.is_some();
-        if bar.is_none() && lead && (start_step % log_every == 0 || eval_step) {
-            tracing::info!(
-                "step {start_step}/{}: loss {loss:.4}{} | {:.0} ms (fwd+bwd issued in {:.0}) | {tokens_per_sec:.0} tok/s{} | {:.1} GFLOP/s/device{} | grad norm {:.3} | host in comm calls {:.1} ms{}{}",
-                cfg.steps,
-                val_loss.map(|v| format!(" val {v:.4}")).unwrap_or_default(),
-                dt * 1e3,
-                issued * 1e3,
-                if world > 1 {
-                    format!(" ({:.0} per device)", tokens_per_sec / world as f64)
-                } else {
-                    String::new()
-                },
-                tflops * 1e3,
-                peak_flops
-                    .map(|p| format!(" | MFU {:.1}%", 100.0 * tflops * 1e12 / p))
-                    .unwrap_or_default(),
-                stats.grad_norm,
-                stats.comm.wait.as_secs_f64() * 1e3,
-                stats
-                    .comm
-                    .device
-                    .map(|d| format!(" (NCCL device time {:.1} ms)", d.as_secs_f64() * 1e3))
-                    .unwrap_or_default(),
-                memory_in_use()
-                    .map(|b| format!(" | mem {:.1} GiB", b as f64 / (1u64 << 30) as f64))
-                    .unwrap_or_default(),
-            );
-        }
-        let save = cfg.checkpoints && start_step == cfg.steps
-            || (cfg.checkpoint_interval > 0 && start_step % cfg.checkpoint_interval == 0);
-        if save {
-            save_checkpoint(&model, prepared, start_step, position, lead)?;
+                loss,
+                grad_norm,
+                dt,
+                issued,
+                comm,
+                evaluate,
+                save,
+            } = report;
+            tokens_done += tokens_per_step;
+            last_loss = loss;
+            losses.push(loss);
+            train_curve.push((reported, loss));
+            if !loss.is_finite() {
+                return Err(LlamaError::Config(format!(
+                    "training diverged at step {reported}: loss {loss}; try a lower learning rate (now {lr:.2e})"
+                )));
+            }
+            let val_loss = if evaluate {
+                Some(evaluate_loss(&model, prepared, &groups, device)?)
+            } else {
+                None
+            };
+            if let Some(v) = val_loss {
+                last_val = Some(v);
+                val_curve.push((reported, v));
+            }
+            let tokens_per_sec = tokens_per_step as f64 / dt;
+            let tflops = flops_per_token * tokens_per_sec / world as f64 / 1e12;
+            if let Some(m) = metrics.as_mut() {
+                m.log(&StepMetrics {
+                    step: reported,
+                    loss,
+                    val_loss,
+                    lr,
+                    grad_norm,
+                    tokens_per_sec,
+                    tflops_per_device: tflops,
+                    mfu: peak_flops.map(|p| tflops * 1e12 / p).unwrap_or(f64::NAN),
+                    peak_mem_bytes: memory_in_use(),
+                    comm_wait_ms: Some(comm.wait.as_secs_f64() * 1e3),
+                    comm_device_ms: comm.device.map(|d| d.as_secs_f64() * 1e3),
+                    host_issue_ms: Some(issued * 1e3),
+                })?;
+            }
+            if let Some(bar) = &bar {
+                let val = val_loss
+                    .or(last_val)
+                    .map(|v| format!(" val {v:.3}"))
+                    .unwrap_or_default();
+                bar.set_message(format!(
+                    "loss {loss:.3}{val} | {tokens_per_sec:.0} tok/s | lr {lr:.1e}"
+                ));
+                bar.set_position(reported);
+            }
+            let eval_step = val_loss.is_some();
+            if bar.is_none() && lead && (reported % log_every == 0 || eval_step) {
+                tracing::info!(
+                    "step {reported}/{}: loss {loss:.4}{} | {:.0} ms (fwd+bwd issued in {:.0}) | {tokens_per_sec:.0} tok/s{} | {:.1} GFLOP/s/device{} | grad norm {:.3} | host in comm calls {:.1} ms{}{}",
+                    cfg.steps,
+                    val_loss.map(|v| format!(" val {v:.4}")).unwrap_or_default(),
+                    dt * 1e3,
+                    issued * 1e3,
+                    if world > 1 {
+                        format!(" ({:.0} per device)", tokens_per_sec / world as f64)
+                    } else {
+                        String::new()
+                    },
+                    tflops * 1e3,
+                    peak_flops
+                        .map(|p| format!(" | MFU {:.1}%", 100.0 * tflops * 1e12 / p))
+                        .unwrap_or_default(),
+                    grad_norm,
+                    comm.wait.as_secs_f64() * 1e3,
+                    comm.device
+                        .map(|d| format!(" (NCCL device time {:.1} ms)", d.as_secs_f64() * 1e3))
+                        .unwrap_or_default(),
+                    memory_in_use()
+                        .map(|b| format!(" | mem {:.1} GiB", b as f64 / (1u64 << 30) as f64))
+                        .unwrap_or_default(),
+                );
+            }
+            if save {
+                save_checkpoint(&model, prepared, reported, position, lead)?;
+            }
         }
     }
     if let Some(bar) = bar {
@@ -663,6 +692,57 @@ pub fn train_rank<B: AutodiffBackend>(
         sample,
         losses,
     })
+}
+
+/// A step whose loss and gradient norm are still on their way from the device.
+struct PendingStep {
+    /// Steps done once this one is (1-based).
+    step: u64,
+    lr: f64,
+    started: Instant,
+    /// Seconds from the start of the step until forward and backward were queued.
+    issued: f64,
+    loss: smp_burn::readback::PendingRead,
+    grad_norm: smp_burn::readback::PendingRead,
+    comm: smp_burn::fsdp::CommStats,
+    evaluate: bool,
+    save: bool,
+}
+
+/// A step's numbers on the host.
+struct StepReport {
+    step: u64,
+    lr: f64,
+    loss: f64,
+    grad_norm: f64,
+    /// Seconds from the step's start to `end` of [`PendingStep::finish`]: the next step's start
+    /// for a step reported late, which in steady state is the GPU's time per step.
+    dt: f64,
+    issued: f64,
+    comm: smp_burn::fsdp::CommStats,
+    evaluate: bool,
+    save: bool,
+}
+
+impl PendingStep {
+    /// Waits for the numbers (and reports a failed asynchronous GEMM: the copies ran after it).
+    fn finish(self, end: Instant) -> Result<StepReport> {
+        let first = |v: Vec<f32>| v.first().copied().map_or(f64::NAN, f64::from);
+        let loss = first(self.loss.wait()?);
+        let grad_norm = first(self.grad_norm.wait()?);
+        smp_burn::cuda::gemm::async_error()?;
+        Ok(StepReport {
+            step: self.step,
+            lr: self.lr,
+            loss,
+            grad_norm,
+            dt: end.duration_since(self.started).as_secs_f64(),
+            issued: self.issued,
+            comm: self.comm,
+            evaluate: self.evaluate,
+            save: self.save,
+        })
+    }
 }
 
 fn evaluate_loss<B: AutodiffBackend>(
@@ -920,13 +1000,4 @@ pub fn save_checkpoint<B: AutodiffBackend>(
     std::fs::rename(&latest_tmp, root.join("latest"))
         .map_err(|e| LlamaError::io(root.join("latest"), e))?;
     Ok(())
-}
-
-trait ElemToF64 {
-    fn elem_to_f64(self) -> f64;
-}
-impl<E: burn::tensor::ElementConversion> ElemToF64 for E {
-    fn elem_to_f64(self) -> f64 {
-        self.elem::<f64>()
-    }
 }

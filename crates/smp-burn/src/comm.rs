@@ -47,9 +47,10 @@ pub trait TensorComm<B: Backend>: Send + Sync + std::fmt::Debug {
     ) -> Result<PendingCollective<B>, SmpError> {
         Ok(PendingGather::ready(self.reduce_scatter(full, op)?))
     }
-    /// Device time the collectives queued since the last call took to run, where the
-    /// implementation measures it (CUDA events around each NCCL call); `None` elsewhere. Waits
-    /// for those collectives to finish.
+    /// Device time of the collectives that finished since the last call, where the
+    /// implementation measures it (CUDA events around each NCCL call); `None` elsewhere. Does
+    /// not wait: a collective still running is counted by a later call (waiting here made the
+    /// host wait for the whole backward every step, emptying the GPU's queue).
     fn take_device_time(&self) -> Result<Option<std::time::Duration>, SmpError> {
         Ok(None)
     }

@@ -25,6 +25,15 @@ pub fn linear<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 2>)
     x.matmul(weight.transpose().unsqueeze())
 }
 
+/// `weight[ids]`: rows of a `[vocab, dim]` table for `[batch, seq]` token ids. On CUDA with
+/// autodiff the table's gradient comes from one deterministic kernel (see [`crate::fast`]).
+pub fn embedding<B: Backend>(weight: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    if let Some(y) = crate::fast::embedding(&weight, &ids) {
+        return y;
+    }
+    burn::tensor::module::embedding(weight, ids)
+}
+
 /// RMSNorm as Llama computes it: the mean square in f32, then scaled by `weight`.
 pub fn rms_norm<B: Backend, const D: usize>(
     x: Tensor<B, D>,
@@ -162,13 +171,23 @@ pub fn linear_cross_entropy<B: Backend>(
     cross_entropy(linear(x, weight), targets)
 }
 
-/// Bytes of f32 logits one chunk of [`linear_cross_entropy_chunked`] may hold by default.
+/// Bytes of logits one chunk of [`linear_cross_entropy_chunked`] may hold by default.
 pub const LOSS_CHUNK_BYTES: usize = 256 << 20;
 
 /// Tokens per chunk so that a chunk's f32 logits stay within [`LOSS_CHUNK_BYTES`]; a multiple
 /// of 64 where that is possible, so the chunk GEMMs keep tile-friendly shapes.
 pub fn default_loss_chunk_tokens(vocab: usize) -> usize {
-    let tokens = (LOSS_CHUNK_BYTES / (vocab.max(1) * 4)).max(1);
+    loss_chunk_tokens(vocab, 4)
+}
+
+/// Tokens per chunk so that a chunk's logits, at `bytes_per_logit` each, stay within
+/// [`LOSS_CHUNK_BYTES`] (a multiple of 64 where possible). The fused CUDA softmax
+/// ([`crate::cuda::xent`]) never makes an f32 copy of bf16 logits, so its chunks can hold twice
+/// the tokens: one chunk for a 4,096-token micro-batch of a 32,000-word vocabulary, which also
+/// spares the f32 accumulation of the head's gradient across chunks (a cast and an add over the
+/// whole `[vocab, hidden]` matrix per chunk).
+pub fn loss_chunk_tokens(vocab: usize, bytes_per_logit: usize) -> usize {
+    let tokens = (LOSS_CHUNK_BYTES / (vocab.max(1) * bytes_per_logit.max(1))).max(1);
     if tokens >= 64 {
         tokens / 64 * 64
     } else {
@@ -655,6 +674,7 @@ mod tests {
             );
         }
         assert_eq!(default_loss_chunk_tokens(32000), 2048);
+        assert_eq!(loss_chunk_tokens(32000, 2), 4160);
     }
 
     #[test]

@@ -21,6 +21,7 @@
 
 use std::ops::Range;
 
+use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 
 use super::flat::view;
@@ -60,14 +61,18 @@ pub struct AdamWStep {
     pub weight_decay: f32,
 }
 
-/// One thread per element: the reference update of `fsdp::ShardedUnit::adamw_step`, fused.
+/// One thread per vector of `N` elements: the reference update of
+/// `fsdp::ShardedUnit::adamw_step`, fused. With `write_copy` it also writes the updated weights
+/// in the compute dtype to `copy`, the next forward's all-gather input: a separate cast would
+/// read the four-byte weights again (about 1.4 ms of a 1.2B model's step).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn adamw_kernel(
-    master: &mut Tensor<f32>,
-    exp_avg: &mut Tensor<f32>,
-    exp_avg_sq: &mut Tensor<f32>,
-    grad: &Tensor<f32>,
+fn adamw_kernel<G: Float, C: Float, N: Size>(
+    master: &mut Tensor<Vector<f32, N>>,
+    exp_avg: &mut Tensor<Vector<f32, N>>,
+    exp_avg_sq: &mut Tensor<Vector<f32, N>>,
+    grad: &Tensor<Vector<G, N>>,
+    copy: &mut Tensor<Vector<C, N>>,
     grad_scale: &Tensor<f32>,
     lr: f32,
     beta1: f32,
@@ -79,17 +84,24 @@ fn adamw_kernel(
     inv_bias2: f32,
     decay: f32,
     len: u32,
+    #[comptime] write_copy: bool,
+    #[define(G, C)] _dtypes: [StorageType; 2],
 ) {
     let i = ABSOLUTE_POS;
     if i < len as usize {
-        let g = grad[i] * grad_scale[0];
-        let m = exp_avg[i] * beta1 + g * one_minus_beta1;
-        let v = exp_avg_sq[i] * beta2 + g * g * one_minus_beta2;
+        let g = Vector::<f32, N>::cast_from(grad[i]) * Vector::new(grad_scale[0]);
+        let m = exp_avg[i] * Vector::new(beta1) + g * Vector::new(one_minus_beta1);
+        let v = exp_avg_sq[i] * Vector::new(beta2) + g * g * Vector::new(one_minus_beta2);
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
-        let denom = (v * inv_bias2).sqrt() + eps;
+        let denom = (v * Vector::new(inv_bias2)).sqrt() + Vector::new(eps);
         let p = master[i];
-        master[i] = p - p * decay - (m * inv_bias1 / denom) * lr;
+        let updated =
+            p - p * Vector::new(decay) - (m * Vector::new(inv_bias1) / denom) * Vector::new(lr);
+        master[i] = updated;
+        if write_copy {
+            copy[i] = Vector::<C, N>::cast_from(updated);
+        }
     }
 }
 
@@ -97,14 +109,16 @@ fn adamw_kernel(
 /// `partials[first + c]`. With `square = false` it sums `x` itself (the second pass, over the
 /// partials).
 #[cube(launch_unchecked)]
-fn sq_sum_kernel(
-    x: &Tensor<f32>,
+#[allow(clippy::too_many_arguments)]
+fn sq_sum_kernel<X: Float>(
+    x: &Tensor<X>,
     partials: &mut Tensor<f32>,
     len: u32,
     stride: u32,
     first: u32,
     weight: f32,
     #[comptime] square: bool,
+    #[define(X)] _dtype: StorageType,
 ) {
     let mut scratch = SharedMemory::<f32>::new(comptime!(THREADS / 32));
     let (n, s) = (len as usize, stride as usize);
@@ -114,7 +128,12 @@ fn sq_sum_kernel(
         (f32::new(0.0), f32::new(0.0), f32::new(0.0), f32::new(0.0));
     let mut i = ABSOLUTE_POS;
     while i + s * 3 < n {
-        let (v0, v1, v2, v3) = (x[i], x[i + s], x[i + s * 2], x[i + s * 3]);
+        let (v0, v1, v2, v3) = (
+            f32::cast_from(x[i]),
+            f32::cast_from(x[i + s]),
+            f32::cast_from(x[i + s * 2]),
+            f32::cast_from(x[i + s * 3]),
+        );
         if square {
             a0 += v0 * v0;
             a1 += v1 * v1;
@@ -129,7 +148,7 @@ fn sq_sum_kernel(
         i += s * 4;
     }
     while i < n {
-        let v = x[i];
+        let v = f32::cast_from(x[i]);
         if square {
             a0 += v * v;
         } else {
@@ -143,15 +162,16 @@ fn sq_sum_kernel(
     }
 }
 
-/// `sum_r weight_r * sum(x[range_r]^2)` over `runs` of a contiguous 1-D f32 tensor, as a
-/// one-element f32 tensor on the device (no host sync). Elements outside every run do not
-/// count.
+/// `sum_r weight_r * sum(x[range_r]^2)` over `runs` of a contiguous 1-D float tensor (f32,
+/// bf16 or f16; summed in f32), as a one-element f32 tensor on the device (no host sync).
+/// Elements outside every run do not count.
 pub fn weighted_sq_sum(x: Cube, runs: &[(Range<usize>, f32)]) -> Cube {
-    assert_eq!(
-        x.dtype,
-        burn::tensor::DType::F32,
-        "sum of squares takes f32"
+    assert!(
+        is_float(x.dtype),
+        "sum of squares takes a float tensor, got {:?}",
+        x.dtype
     );
+    let x_dtype = x.dtype;
     let x = if x.is_contiguous_buffer() {
         x
     } else {
@@ -212,6 +232,7 @@ pub fn weighted_sq_sum(x: Cube, runs: &[(Range<usize>, f32)]) -> Cube {
                 first as u32,
                 weight,
                 true,
+                x_dtype.into(),
             );
         }
         first += cubes;
@@ -230,9 +251,14 @@ pub fn weighted_sq_sum(x: Cube, runs: &[(Range<usize>, f32)]) -> Cube {
             0,
             1.0,
             false,
+            burn::tensor::DType::F32.into(),
         );
     }
     out
+}
+
+fn is_float(d: DType) -> bool {
+    matches!(d, DType::F32 | DType::BF16 | DType::F16)
 }
 
 /// A buffer the kernel may overwrite: `t` itself when nothing else holds it, else a copy (a
@@ -245,11 +271,13 @@ fn writable(t: Cube) -> Cube {
     }
 }
 
-/// Runs AdamW over a shard in place and returns `(master, exp_avg, exp_avg_sq)`.
+/// Runs AdamW over a shard in place and returns `(master, exp_avg, exp_avg_sq)` and, when
+/// `copy_dtype` is given, the updated weights in that dtype (a fresh buffer).
 ///
 /// `decay_runs` lists `(element range, decays)` covering the shard; elements in a run with
 /// `decays = false` (norm weights, padding) get no weight decay. `grad_scale` is a one-element
-/// f32 tensor (the clipping factor, computed on the device: no host sync).
+/// f32 tensor (the clipping factor, computed on the device: no host sync). The state is f32;
+/// `grad` may be f32, bf16 or f16 (read and widened to f32).
 pub fn adamw_step(
     master: Cube,
     exp_avg: Cube,
@@ -258,7 +286,8 @@ pub fn adamw_step(
     grad_scale: Cube,
     hp: AdamWStep,
     decay_runs: &[(Range<usize>, bool)],
-) -> (Cube, Cube, Cube) {
+    copy_dtype: Option<DType>,
+) -> (Cube, Cube, Cube, Option<Cube>) {
     let len = master.meta.shape()[0];
     for (name, t) in [
         ("exp_avg", &exp_avg),
@@ -272,9 +301,19 @@ pub fn adamw_step(
             t.meta.shape()[0]
         );
     }
-    for t in [&master, &exp_avg, &exp_avg_sq, &grad, &grad_scale] {
-        assert_eq!(t.dtype, burn::tensor::DType::F32, "fused AdamW takes f32");
+    for t in [&master, &exp_avg, &exp_avg_sq, &grad_scale] {
+        assert_eq!(
+            t.dtype,
+            burn::tensor::DType::F32,
+            "fused AdamW keeps its state in f32"
+        );
     }
+    assert!(
+        is_float(grad.dtype),
+        "fused AdamW: the gradient must be a float tensor, got {:?}",
+        grad.dtype
+    );
+    let grad_dtype = grad.dtype;
     let master = writable(master);
     let exp_avg = writable(exp_avg);
     let exp_avg_sq = writable(exp_avg_sq);
@@ -284,6 +323,24 @@ pub fn adamw_step(
         grad.copy()
     };
     let client = master.client.clone();
+    let copy = copy_dtype.map(|d| {
+        burn_cubecl::ops::numeric::empty_device_contiguous_dtype::<CudaRuntime>(
+            client.clone(),
+            master.device.clone(),
+            [len].into(),
+            d,
+        )
+    });
+    // Without a copy the kernel still takes a tensor of the copy's type; it is never written.
+    let unused = || {
+        burn_cubecl::ops::numeric::empty_device_contiguous_dtype::<CudaRuntime>(
+            client.clone(),
+            master.device.clone(),
+            [8].into(),
+            DType::F32,
+        )
+    };
+    let copy_dt = copy_dtype.unwrap_or(DType::F32);
     for (run, decays) in decay_runs {
         let decay = if *decays {
             hp.lr * hp.weight_decay
@@ -294,17 +351,31 @@ pub fn adamw_step(
         while start < run.end {
             let end = (start + MAX_CHUNK).min(run.end);
             let n = end - start;
-            // SAFETY: the four views hold `n` elements each (shapes checked above) and the kernel
-            // guards `i < n`; `grad_scale` has one element.
+            // Every view starts at element `start` of a fresh (aligned) buffer, so a vector width
+            // dividing both `start` and `n` keeps every vector aligned.
+            let nv = [4, 2, 1]
+                .into_iter()
+                .find(|w| n.is_multiple_of(*w) && start.is_multiple_of(*w))
+                .expect("1 divides everything");
+            let vectors = n / nv;
+            let copy_arg = match &copy {
+                Some(c) => view(c, start..end),
+                None => unused(),
+            };
+            // SAFETY: the views hold `n` elements each (shapes checked above; the unused copy
+            // is never written) and the kernel guards `i < n / nv`; `grad_scale` has one
+            // element.
             unsafe {
                 adamw_kernel::launch_unchecked::<CudaRuntime>(
                     &client,
-                    CubeCount::Static(n.div_ceil(THREADS) as u32, 1, 1),
+                    CubeCount::Static(vectors.div_ceil(THREADS) as u32, 1, 1),
                     CubeDim::new_1d(THREADS as u32),
+                    nv,
                     view(&master, start..end).into_tensor_arg(),
                     view(&exp_avg, start..end).into_tensor_arg(),
                     view(&exp_avg_sq, start..end).into_tensor_arg(),
                     view(&grad, start..end).into_tensor_arg(),
+                    copy_arg.into_tensor_arg(),
                     grad_scale.clone().into_tensor_arg(),
                     hp.lr,
                     hp.beta1,
@@ -315,11 +386,13 @@ pub fn adamw_step(
                     hp.inv_bias1,
                     hp.inv_bias2,
                     decay,
-                    n as u32,
+                    vectors as u32,
+                    copy.is_some(),
+                    [grad_dtype.into(), copy_dt.into()],
                 );
             }
             start = end;
         }
     }
-    (master, exp_avg, exp_avg_sq)
+    (master, exp_avg, exp_avg_sq, copy)
 }

@@ -148,6 +148,23 @@ impl MmaTiling {
     /// other `-cp` tilings 191-209 at 4096.
     pub const DEFAULT: MmaTiling = MmaTiling::new(8, 2, true);
 
+    /// The default at head dim 64 (the 1b preset's): 4 warps of 2 x 16 rows with `cp.async`,
+    /// 207 TFLOP/s causal at S = 4096 on an H200 where [`MmaTiling::DEFAULT`] gives 195 and the
+    /// other tilings 132-197 (session 6 call BA, `flash_check --head-dim 64`; PyTorch's flash
+    /// forward 220 in the same call). Half the head dim halves the work per staged K/V block,
+    /// so smaller cubes (more of them per SM) hide the copies better.
+    pub const DEFAULT_HD64: MmaTiling = MmaTiling::new(4, 2, true);
+
+    /// The default for `head_dim`: [`MmaTiling::DEFAULT_HD64`] at 64, else
+    /// [`MmaTiling::DEFAULT`].
+    pub fn default_for(head_dim: usize) -> MmaTiling {
+        if head_dim == 64 {
+            Self::DEFAULT_HD64
+        } else {
+            Self::DEFAULT
+        }
+    }
+
     /// Every supported tiling, for checks and benchmarks; the `cp.async` ones last (as in
     /// [`MmaBwdTiling::ALL`], so that a failure there leaves the others' results printed).
     pub const ALL: [MmaTiling; 8] = [
@@ -197,14 +214,14 @@ impl std::fmt::Display for MmaTiling {
 /// Process-wide override of the tiling; `None` means "from the environment".
 static TILING_OVERRIDE: Mutex<Option<MmaTiling>> = Mutex::new(None);
 
-/// The tiling the Mma kernels launch with: the last [`set_mma_tiling`], else
+/// The tiling the Mma forward launches with at `head_dim`: the last [`set_mma_tiling`], else
 /// `SMP_BURN_FLASH_MMA_TILING` (`4x1`, `8x1`, `4x2` or `8x2`, each optionally with `-cp`,
-/// e.g. `8x1-cp`), else [`MmaTiling::DEFAULT`].
+/// e.g. `8x1-cp`), else [`MmaTiling::default_for`] the head dim.
 ///
 /// # Panics
 /// If the environment variable is set to something else (a silent fallback would make a
 /// benchmark measure the wrong kernel).
-pub fn mma_tiling() -> MmaTiling {
+pub fn mma_tiling(head_dim: usize) -> MmaTiling {
     if let Some(t) = *TILING_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()) {
         return t;
     }
@@ -215,7 +232,7 @@ pub fn mma_tiling() -> MmaTiling {
                  optionally with -cp (e.g. 8x1-cp)"
             )
         }),
-        Err(_) => MmaTiling::DEFAULT,
+        Err(_) => MmaTiling::default_for(head_dim),
     }
 }
 
@@ -1190,7 +1207,7 @@ pub(super) fn launch_forward<R: CubeRuntime>(
         scale > 0.0,
         "flash attention (Mma): the softmax scale must be positive, got {scale}"
     );
-    let tiling = mma_tiling();
+    let tiling = mma_tiling(head_dim);
     let client = q.client.clone();
     let dtype = q.dtype;
     let nv = vector_width(&[&q, &k, &v]);

@@ -206,7 +206,12 @@ fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
             .or_insert_with(|| DeviceHandle::new(CudaDevice { index: device }.to_id()))
             .clone()
     });
-    let signal = (gemm_ordering() == GemmOrdering::Signal).then(|| device_signal(device));
+    let use_signal = match gemm_ordering() {
+        GemmOrdering::Signal => true,
+        GemmOrdering::Context => false,
+        GemmOrdering::Auto => super::collectives_issued(device),
+    };
+    let signal = use_signal.then(|| device_signal(device));
     // Epochs must reach the server in the order they are taken: hold the device's lock across
     // both.
     let mut guard = signal
@@ -227,6 +232,11 @@ fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
 /// How a GEMM batch waits for the Burn kernels before it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum GemmOrdering {
+    /// [`GemmOrdering::Context`] on a device where no collective has been issued yet (a
+    /// single-GPU run: nothing but Burn's stream to wait for, and the event costs no kernel
+    /// launches, where the signal costs two small kernels per batch, about 1 ms of a 1.2B
+    /// model's step), [`GemmOrdering::Signal`] from the first collective on.
+    Auto,
     /// A one-thread kernel on Burn's stream writes an epoch to a flag that a one-thread kernel
     /// on the GEMM stream spins on ([`WAIT_PTX`]): the GEMMs wait for Burn's stream alone.
     Signal,
@@ -236,13 +246,15 @@ enum GemmOrdering {
     Context,
 }
 
-/// `SMP_BURN_GEMM_ORDER=context` selects [`GemmOrdering::Context`] (for measuring the
-/// difference); the default is [`GemmOrdering::Signal`].
+/// `SMP_BURN_GEMM_ORDER=context` or `=signal` forces [`GemmOrdering::Context`] or
+/// [`GemmOrdering::Signal`] (for measuring the difference); the default is
+/// [`GemmOrdering::Auto`].
 fn gemm_ordering() -> GemmOrdering {
     static ORDER: std::sync::OnceLock<GemmOrdering> = std::sync::OnceLock::new();
     *ORDER.get_or_init(|| match std::env::var("SMP_BURN_GEMM_ORDER").as_deref() {
         Ok("context") => GemmOrdering::Context,
-        _ => GemmOrdering::Signal,
+        Ok("signal") => GemmOrdering::Signal,
+        _ => GemmOrdering::Auto,
     })
 }
 

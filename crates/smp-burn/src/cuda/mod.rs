@@ -20,6 +20,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod embedding;
 pub mod flash;
 pub mod flat;
 pub mod fused;
@@ -188,6 +189,24 @@ pub fn legacy_flush() -> bool {
     *ON.get_or_init(|| std::env::var("SMP_BURN_LEGACY_FLUSH").is_ok_and(|v| v == "1"))
 }
 
+/// One bit per device index below 64: a collective has been issued on that device.
+static COLLECTIVE_DEVICES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Records that a collective is being issued on device `index` (from now on a GEMM batch there
+/// may have NCCL work in flight beside it).
+fn note_collective(index: usize) {
+    if index < 64 {
+        COLLECTIVE_DEVICES.fetch_or(1 << index, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Whether any collective has been issued on device `index` by this process (always true for
+/// indices the bit set cannot hold). A GEMM batch on a device without collectives can wait
+/// for the whole context (one event, no kernels) without waiting for NCCL work by mistake.
+pub(crate) fn collectives_issued(index: usize) -> bool {
+    index >= 64 || COLLECTIVE_DEVICES.load(std::sync::atomic::Ordering::Relaxed) & (1 << index) != 0
+}
+
 /// The ordering of sessions 2-4 ([`legacy_flush`]): CubeCL's flush of device `index`, which
 /// waits on the host for the fence of the previous flush.
 pub(crate) fn flush_with_fence_wait(index: usize) -> Result<(), SmpError> {
@@ -269,6 +288,7 @@ impl StreamBridge {
 
     /// Makes the comm stream wait, on the GPU, for every Burn kernel queued so far.
     pub fn burn_to_comm(&self) -> Result<(), SmpError> {
+        note_collective(self.server.device_id().index_id as usize);
         // CubeCL's device-server thread launches the kernels queued to it in order: a no-op
         // task run to completion there means every kernel queued so far has reached CUDA before
         // the context event captures the work. Not `client.flush()`: that also syncs the host
@@ -617,15 +637,27 @@ impl<B: CudaTensors> TensorComm<B> for CudaTensorComm {
             .bind_to_thread()
             .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
         let mut ms = 0.0f64;
-        for (start, end) in &pairs {
+        let mut running = Vec::new();
+        for (start, end) in pairs {
             // SAFETY: both events were recorded on the comm stream of this context.
-            unsafe {
-                cudarc::driver::result::event::synchronize(end.0)
-                    .map_err(|e| cuda_err("cuEventSynchronize", e))?;
-                ms += cudarc::driver::result::event::elapsed(start.0, end.0)
+            let done = match unsafe { cudarc::driver::result::event::query(end.0) } {
+                Ok(()) => true,
+                Err(e) if e.0 == ds::cudaError_enum::CUDA_ERROR_NOT_READY => false,
+                Err(e) => return Err(cuda_err("cuEventQuery", e)),
+            };
+            if done {
+                // SAFETY: as above; `end` has completed, so `start` (before it) has too.
+                ms += unsafe { cudarc::driver::result::event::elapsed(start.0, end.0) }
                     .map_err(|e| cuda_err("cuEventElapsedTime", e))? as f64;
+            } else {
+                running.push((start, end));
             }
         }
+        drop(b);
+        // Collectives still running keep their events for the next call, before any newer ones.
+        let mut timings = self.timings.lock().unwrap_or_else(|p| p.into_inner());
+        running.append(&mut timings);
+        *timings = running;
         Ok(Some(std::time::Duration::from_secs_f64(ms / 1e3)))
     }
 

@@ -1,0 +1,121 @@
+//! Device values read by the host later, without draining the GPU's queue.
+//!
+//! A training loop that reads its loss (or gradient norm) at the end of every step makes the
+//! host wait until the GPU has run everything queued, so the GPU then sits idle while the host
+//! queues the first kernels of the next step, and the forward pass (many small ops) is issued
+//! no faster than the GPU runs it. On a 1.2B model on one H200 that cost 5-10 ms of a 100 ms
+//! step: ncu counted 90.7 ms of GPU time in steps of 95-102 ms (session 6, call BB).
+//!
+//! [`read_later`] queues the device-to-host copy now, on Burn's stream behind the work that
+//! produces the value, and [`PendingRead::wait`] blocks only until that copy is done. Waited for
+//! after the next step's work is queued, it costs nothing: PyTorch's loop logging `loss.item()`
+//! of the previous step does the same.
+
+use std::any::TypeId;
+use std::future::Future;
+use std::pin::Pin;
+
+use burn::tensor::{DType, Tensor, backend::Backend};
+use burn_cubecl::kernel::into_contiguous;
+use cubecl::Runtime;
+use cubecl::cuda::CudaRuntime;
+use cubecl::device::Device;
+use cubecl::device_handle::DeviceHandle;
+use cubecl::server::{ComputeServer, CopyDescriptor, ServerError};
+use cubecl::stream_id::StreamId;
+
+use crate::cuda::CudaCube;
+use crate::error::SmpError;
+
+type BytesFuture =
+    Pin<Box<dyn Future<Output = Result<Vec<cubecl::bytes::Bytes>, ServerError>> + Send>>;
+
+/// A 1-D device tensor's values on their way to the host (f32).
+pub struct PendingRead {
+    inner: Inner,
+}
+
+enum Inner {
+    /// The copy is queued on the CUDA stream; the future waits for its fence. The count is the
+    /// tensor's elements (the buffer may be padded).
+    Cuda(BytesFuture, usize),
+    /// Another backend: read when waited for (a synchronous read there costs no overlap).
+    Deferred(Box<dyn FnOnce() -> Vec<f32> + Send>),
+}
+
+impl std::fmt::Debug for PendingRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.inner {
+            Inner::Cuda(..) => "cuda copy queued",
+            Inner::Deferred(_) => "deferred read",
+        };
+        f.debug_struct("PendingRead").field("kind", &kind).finish()
+    }
+}
+
+type CudaServer = <CudaRuntime as Runtime>::Server;
+
+/// Starts reading `t` (any float dtype; returned as f32) to the host. On Burn's CUDA backend the
+/// copy is queued now, behind the kernels that produce `t`; elsewhere `t` is kept and read by
+/// [`PendingRead::wait`].
+///
+/// # Errors
+/// If CubeCL's device thread cannot be reached.
+pub fn read_later<B: Backend>(t: Tensor<B, 1>) -> Result<PendingRead, SmpError> {
+    let t = t.cast(DType::F32);
+    if TypeId::of::<B>() == TypeId::of::<CudaCube>() {
+        let t = *(Box::new(t) as Box<dyn std::any::Any>)
+            .downcast::<Tensor<CudaCube, 1>>()
+            .unwrap_or_else(|_| unreachable!("TypeId checked above"));
+        let prim = into_contiguous(t.into_primitive().tensor());
+        let len = prim.meta.num_elements();
+        // What `ComputeClient::read_async` does, minus its future's borrow of the client: the
+        // server task queues the copy and records a fence at once; the returned future only
+        // waits for the fence.
+        let stream = StreamId::current();
+        let desc = CopyDescriptor::new(
+            prim.handle.clone().binding(),
+            [len * 4].into(),
+            [1].into(),
+            1,
+        );
+        let server = DeviceHandle::<CudaServer>::new(prim.device.to_id());
+        let fut = server
+            .submit_blocking(move |server| server.read(vec![desc], stream))
+            .map_err(|e| SmpError::Cuda(format!("reaching CubeCL's device thread: {e:?}")))?;
+        return Ok(PendingRead {
+            inner: Inner::Cuda(fut, len),
+        });
+    }
+    let read = move || {
+        t.into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .expect("an f32 tensor converts to f32")
+    };
+    Ok(PendingRead {
+        inner: Inner::Deferred(Box::new(read)),
+    })
+}
+
+impl PendingRead {
+    /// Waits for the values.
+    ///
+    /// # Errors
+    /// If the device reports a failure of the copy or of the work before it.
+    pub fn wait(self) -> Result<Vec<f32>, SmpError> {
+        match self.inner {
+            Inner::Deferred(read) => Ok(read()),
+            Inner::Cuda(fut, len) => {
+                let chunks = cubecl::reader::read_sync(fut)
+                    .map_err(|e| SmpError::Cuda(format!("reading a value back: {e:?}")))?;
+                Ok(chunks
+                    .iter()
+                    .flat_map(|b| b.chunks_exact(4))
+                    .map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+                    .take(len)
+                    .collect())
+            }
+        }
+    }
+}
