@@ -603,27 +603,46 @@ fn check_pack() -> bool {
             want.push(Tensor::<B, 1>::zeros([total - used], &dev).cast(dtype));
         }
         let want = host(Tensor::cat(want, 0));
-        let got = host(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
-            smp_burn::cuda::flat::pack(
-                pieces
-                    .into_iter()
-                    .map(|p| p.into_primitive().tensor())
-                    .collect(),
-                total,
-                dtype,
-            ),
-        )));
-        // A cast is exact: the packed buffer must equal cast + cat bit for bit.
-        let pass = got.len() == want.len()
-            && got
+        let prims = || -> Vec<_> {
+            pieces
                 .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
+                .map(|p| p.clone().into_primitive().tensor())
+                .collect()
+        };
+        let float = |c| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(c));
+        let got = host(float(smp_burn::cuda::flat::pack(prims(), total, dtype)));
+        let (flat_sq, (partials, ranges)) =
+            smp_burn::cuda::flat::pack_with_sq_sums(prims(), total, dtype);
+        let got_sq = host(float(flat_sq));
+        // A cast is exact: the packed buffer must equal cast + cat bit for bit, with or
+        // without the sums of squares.
+        let bitwise = |g: &[f32]| {
+            g.len() == want.len() && g.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits())
+        };
+        let pass_pack = bitwise(&got) && bitwise(&got_sq);
+        // Each piece's sum of squares (of its packed values) against an f64 host sum.
+        let mut sq_err = 0f64;
+        let mut start = 0;
+        for (n, range) in lens.iter().zip(&ranges) {
+            let exact: f64 = want[start..start + n]
+                .iter()
+                .map(|&v| (v as f64).powi(2))
+                .sum();
+            let sum =
+                smp_burn::cuda::adamw::weighted_sum(partials.clone(), &[(range.clone(), 1.0)]);
+            let got = host(float(sum))[0] as f64;
+            sq_err = sq_err.max((got - exact).abs() / exact.max(1e-30));
+            start += n;
+        }
+        // f32 partial sums over up to millions of terms, as `check_sq_sum`.
+        let pass = pass_pack && sq_err <= 1e-5;
         ok &= pass;
         println!(
-            "pack pieces {:?} into {total} {dtype:?}: {}",
+            "pack pieces {:?} into {total} {dtype:?}: {}; sums of squares rel err {sq_err:.2e} \
+             (tolerance 1e-5) {}",
             lens,
-            if pass { "ok (bitwise)" } else { "FAIL" }
+            if pass_pack { "ok (bitwise)" } else { "FAIL" },
+            if sq_err <= 1e-5 { "ok" } else { "FAIL" }
         );
     }
     ok

@@ -512,13 +512,20 @@ fn int_to_cube<B: Backend, const D: usize>(
     same::<Tensor<B, D, Int>, Tensor<CudaCube, D, Int>>(t.clone()).into_primitive()
 }
 
+/// `[master, exp_avg, exp_avg_sq]` of a shard.
+pub(crate) type AdamWState<B> = [Tensor<B, 1>; 3];
+
+/// The updated state and, when asked for, the weights in the compute dtype.
+pub(crate) type AdamWUpdate<B> = (AdamWState<B>, Option<Tensor<B, 1>>);
+
 /// FSDP's AdamW step through the fused kernel when `B` is the CUDA backend and the state is
 /// f32 (the gradient may be f32, bf16 or f16). `state` is `[master, exp_avg, exp_avg_sq]`, taken by value so that the kernel can update
 /// the buffers in place: a second handle would make it copy each one first (three shard-sized
 /// copies per unit and step). With `copy_dtype` the kernel also returns the updated weights in
 /// that dtype. `Err(state)` hands the state back: use the reference.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw_step<B: Backend>(
-    state: [Tensor<B, 1>; 3],
+    state: AdamWState<B>,
     grad: &Tensor<B, 1>,
     grad_scale: &Tensor<B, 1>,
     opt: &crate::fsdp::AdamW,
@@ -526,7 +533,7 @@ pub(crate) fn adamw_step<B: Backend>(
     step: u64,
     decay_runs: &[(std::ops::Range<usize>, bool)],
     copy_dtype: Option<DType>,
-) -> Result<([Tensor<B, 1>; 3], Option<Tensor<B, 1>>), [Tensor<B, 1>; 3]> {
+) -> Result<AdamWUpdate<B>, AdamWState<B>> {
     if !fast_paths().adamw
         || TypeId::of::<B>() != TypeId::of::<CudaCube>()
         || state
@@ -600,6 +607,40 @@ pub(crate) fn pack<B: Backend>(
     }
     let cubes = pieces.into_iter().map(to_cube).collect();
     Ok(from_cube(crate::cuda::flat::pack(cubes, total, dtype)))
+}
+
+/// [`pack`] with the sum of squares of each piece's packed values, as f32 partial sums and a
+/// range of them per piece ([`crate::cuda::flat::pack_with_sq_sums`]); reduce ranges with
+/// [`weighted_sum`]. `Err(pieces)` as [`pack`].
+#[allow(clippy::type_complexity)]
+pub(crate) fn pack_with_sq_sums<B: Backend>(
+    pieces: Vec<Tensor<B, 1>>,
+    total: usize,
+    dtype: DType,
+) -> Result<(Tensor<B, 1>, Tensor<B, 1>, Vec<std::ops::Range<usize>>), Vec<Tensor<B, 1>>> {
+    if !fast_paths().flat
+        || TypeId::of::<B>() != TypeId::of::<CudaCube>()
+        || pieces.is_empty()
+        || !fused_dtype(dtype)
+    {
+        return Err(pieces);
+    }
+    let cubes = pieces.into_iter().map(to_cube).collect();
+    let (flat, (partials, ranges)) = crate::cuda::flat::pack_with_sq_sums(cubes, total, dtype);
+    Ok((from_cube(flat), from_cube(partials), ranges))
+}
+
+/// `sum_r weight_r * sum(t[range_r])` through the CubeCL reduction when `B` is the CUDA
+/// backend (for [`pack_with_sq_sums`]'s partials, which only exist there); `None` otherwise.
+pub(crate) fn weighted_sum<B: Backend>(
+    t: &Tensor<B, 1>,
+    runs: &[(std::ops::Range<usize>, f32)],
+) -> Option<Tensor<B, 1>> {
+    if TypeId::of::<B>() != TypeId::of::<CudaCube>() || t.dtype() != DType::F32 {
+        return None;
+    }
+    let x = to_cube(t.clone());
+    Some(from_cube(crate::cuda::adamw::weighted_sum(x, runs)))
 }
 
 /// The CubeCL tensor under a float tensor of `B`, which the caller proved to be [`CudaCube`].

@@ -257,6 +257,10 @@ pub struct ShardedUnit<B: AutodiffBackend, M: Module<B>> {
     /// The compute dtype of the gathered parameters.
     param_dtype: FloatDType,
     grad: Option<Tensor<B::InnerBackend, 1>>,
+    /// Partial sums of the squares of `grad`, from the packing kernel, and each parameter's
+    /// range of them (CUDA, units with nothing to reduce): the gradient norm without reading
+    /// `grad` again. `None` whenever `grad` has changed since.
+    grad_sq_partials: Option<(Tensor<B::InnerBackend, 1>, Vec<Range<usize>>)>,
     deferred_full_grad: Option<Tensor<B::InnerBackend, 1>>,
     /// The reduce-scatter of the last gradients, started but not yet added to `grad` (prefetch
     /// only). It keeps the unit's full-size gradient alive until [`Self::finish_grads`].
@@ -292,6 +296,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             compute: None,
             param_dtype: ctx.param_dtype,
             grad: None,
+            grad_sq_partials: None,
             deferred_full_grad: None,
             pending_grad: None,
             exp_avg: zeros.clone(),
@@ -443,7 +448,20 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             Some(d) if unreduced && collect.pieces.iter().all(|p| p.dtype() == d) => d,
             _ => DType::F32,
         };
-        let mut full = match crate::fast::pack(collect.pieces, self.layout.padded, flat_dtype) {
+        // The packing can sum the squares on the way only when the packed buffer is the
+        // gradient the norm reads: nothing to reduce and nothing to add.
+        let mut pieces = collect.pieces;
+        if unreduced {
+            match crate::fast::pack_with_sq_sums(pieces, self.layout.padded, flat_dtype) {
+                Ok((full, partials, ranges)) => {
+                    self.add_grad_shard(full, ctx, true)?;
+                    self.grad_sq_partials = Some((partials, ranges));
+                    return Ok(());
+                }
+                Err(back) => pieces = back,
+            }
+        }
+        let mut full = match crate::fast::pack(pieces, self.layout.padded, flat_dtype) {
             Ok(full) => full,
             Err(pieces) => {
                 let mut pieces: Vec<_> = pieces
@@ -513,6 +531,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         if let Some(rep) = &ctx.replicate {
             shard = ctx.timed(|| rep.all_reduce(shard, ReduceOp::Avg))?;
         }
+        self.grad_sq_partials = None;
         self.grad = Some(match self.grad.take() {
             Some(g) => g.cast(FloatDType::F32) + shard.cast(FloatDType::F32),
             None if keep_dtype => shard,
@@ -536,6 +555,9 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     pub fn grad_sq_sum(&self) -> Option<Tensor<B::InnerBackend, 1>> {
         self.assert_grads_finished("grad_sq_sum");
         let g = self.grad.as_ref()?;
+        if let Some(sum) = self.partial_sq_sum(&|_| 1.0) {
+            return Some(sum);
+        }
         let whole = [(0..g.dims()[0], 1.0)];
         Some(
             crate::fast::weighted_sq_sum(g, &whole)
@@ -553,6 +575,9 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     ) -> Option<Tensor<B::InnerBackend, 1>> {
         self.assert_grads_finished("grad_sq_sum_weighted");
         let g = self.grad.as_ref()?;
+        if let Some(sum) = self.partial_sq_sum(weight) {
+            return Some(sum);
+        }
         let range = self.layout.shard_range(self.rank, self.degree);
         // Padding holds zeros; its weight does not matter.
         let runs = param_runs(&self.layout, range.clone(), weight, 0.0);
@@ -567,6 +592,22 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         Some((g.clone().cast(FloatDType::F32).square() * w).sum())
     }
 
+    /// The weighted sum of squares from the packing kernel's partial sums, when it left them.
+    fn partial_sq_sum(
+        &self,
+        weight: &dyn Fn(&FlatParam) -> f32,
+    ) -> Option<Tensor<B::InnerBackend, 1>> {
+        let (partials, ranges) = self.grad_sq_partials.as_ref()?;
+        let runs: Vec<_> = self
+            .layout
+            .params
+            .iter()
+            .zip(ranges)
+            .map(|(p, r)| (r.clone(), weight(p)))
+            .collect();
+        crate::fast::weighted_sum(partials, &runs)
+    }
+
     /// One AdamW step on this rank's shard, scaling the gradient by `grad_scale` (the clipping
     /// factor), then clears the gradient.
     pub fn adamw_step(
@@ -577,6 +618,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         grad_scale: Tensor<B::InnerBackend, 1>,
     ) {
         self.assert_grads_finished("adamw_step");
+        self.grad_sq_partials = None;
         let Some(grad) = self.grad.take() else { return };
         // Moved out rather than cloned: the fused kernel updates buffers in place only when it
         // holds their only handle.

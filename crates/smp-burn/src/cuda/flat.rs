@@ -19,6 +19,8 @@ use cubecl::calculate_cube_count_elemwise;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
 
+use super::fused::cube_sum;
+
 type Cube = CubeTensor<CudaRuntime>;
 
 const THREADS: usize = 256;
@@ -34,6 +36,38 @@ fn cast_into_kernel<F: Float, O: Float, N: Size>(
     let i = ABSOLUTE_POS;
     if i < len as usize {
         dst[i] = Vector::<O, N>::cast_from(src[i]);
+    }
+}
+
+/// As [`cast_into_kernel`], and cube `c` writes the sum of the squares of the values it stored
+/// to `partials[first + c]`: the gradient norm's share of this piece, without reading the
+/// packed buffer again.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn cast_into_sq_kernel<F: Float, O: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    dst: &mut Tensor<Vector<O, N>>,
+    partials: &mut Tensor<f32>,
+    len: u32,
+    first: u32,
+    #[comptime] nv: usize,
+    #[define(F, O)] _dtypes: [StorageType; 2],
+) {
+    let i = ABSOLUTE_POS;
+    let mut sq = f32::new(0.0);
+    if i < len as usize {
+        let stored = Vector::<O, N>::cast_from(src[i]);
+        dst[i] = stored;
+        let v = Vector::<f32, N>::cast_from(stored);
+        #[unroll]
+        for k in 0..nv {
+            sq += v[k] * v[k];
+        }
+    }
+    let mut scratch = SharedMemory::<f32>::new(comptime!(THREADS / 32));
+    let total = cube_sum(sq, &mut scratch);
+    if UNIT_POS == 0 {
+        partials[first as usize + CUBE_POS] = total;
     }
 }
 
@@ -115,6 +149,31 @@ fn width(len: usize, offset: usize) -> usize {
 /// # Panics
 /// If the pieces hold more than `total` elements, or are not on one device.
 pub fn pack(pieces: Vec<Cube>, total: usize, dtype: DType) -> Cube {
+    pack_impl(pieces, total, dtype, false).0
+}
+
+/// Per-piece sums of squares as [`pack_with_sq_sums`] leaves them: the f32 partials and, for
+/// each piece in order, its range of them (empty for an empty piece).
+pub type SqPartials = (Cube, Vec<Range<usize>>);
+
+/// [`pack`], and the sum of the squares of each piece's packed values as a range of f32 partial
+/// sums (one per cube): the gradient norm's input, computed while the values pass through
+/// instead of in a second pass over the flat buffer. Reduce a range with
+/// [`super::adamw::weighted_sum`].
+///
+/// # Panics
+/// As [`pack`].
+pub fn pack_with_sq_sums(pieces: Vec<Cube>, total: usize, dtype: DType) -> (Cube, SqPartials) {
+    let (flat, sq) = pack_impl(pieces, total, dtype, true);
+    (flat, sq.expect("asked for"))
+}
+
+fn pack_impl(
+    pieces: Vec<Cube>,
+    total: usize,
+    dtype: DType,
+    with_sq: bool,
+) -> (Cube, Option<SqPartials>) {
     let first = pieces.first().expect("at least one piece");
     let (client, device) = (first.client.clone(), first.device.clone());
     let used: usize = pieces.iter().map(|p| p.meta.num_elements()).sum();
@@ -126,31 +185,64 @@ pub fn pack(pieces: Vec<Cube>, total: usize, dtype: DType) -> Cube {
         total < u32::MAX as usize,
         "pack: {total} elements are too many for 32-bit indexing"
     );
-    let flat = empty_device_contiguous_dtype(client.clone(), device, [total].into(), dtype);
+    let flat = empty_device_contiguous_dtype(client.clone(), device.clone(), [total].into(), dtype);
+    // (vector width, vectors) per piece, and each piece's range of partial sums (one per cube).
     let mut offset = 0;
-    for piece in pieces {
+    let mut shapes = Vec::with_capacity(pieces.len());
+    let mut ranges = Vec::with_capacity(pieces.len());
+    let mut slots = 0;
+    for piece in &pieces {
+        let n = piece.meta.num_elements();
+        let nv = width(n, offset);
+        let cubes = (n / nv).div_ceil(THREADS);
+        shapes.push((nv, n / nv));
+        ranges.push(slots..slots + cubes);
+        slots += cubes;
+        offset += n;
+    }
+    // Every slot is written by exactly one cube.
+    let partials = with_sq.then(|| {
+        empty_device_contiguous_dtype(client.clone(), device, [slots.max(1)].into(), DType::F32)
+    });
+    let mut offset = 0;
+    for ((piece, (nv, len)), range) in pieces.into_iter().zip(shapes).zip(&ranges) {
         let piece = into_contiguous(piece);
         let n = piece.meta.num_elements();
         if n == 0 {
             continue;
         }
-        let nv = width(n, offset);
-        let len = n / nv;
         let src_dtype = piece.dtype;
-        let count = calculate_cube_count_elemwise(&client, len, CubeDim::new_1d(THREADS as u32));
-        // SAFETY: the kernel guards `i < len`, the vector count of both the piece and its
-        // `n`-element window of the flat buffer.
+        let dst = view(&flat, offset..offset + n).into_tensor_arg();
+        let dim = CubeDim::new_1d(THREADS as u32);
+        // SAFETY: the kernels guard `i < len`, the vector count of both the piece and its
+        // `n`-element window of the flat buffer; the partials kernel writes slot
+        // `range.start + CUBE_POS`, inside the piece's range by construction.
         unsafe {
-            cast_into_kernel::launch_unchecked::<CudaRuntime>(
-                &client,
-                count,
-                CubeDim::new_1d(THREADS as u32),
-                nv,
-                piece.into_tensor_arg(),
-                view(&flat, offset..offset + n).into_tensor_arg(),
-                len as u32,
-                [src_dtype.into(), dtype.into()],
-            );
+            match &partials {
+                None => cast_into_kernel::launch_unchecked::<CudaRuntime>(
+                    &client,
+                    calculate_cube_count_elemwise(&client, len, dim),
+                    dim,
+                    nv,
+                    piece.into_tensor_arg(),
+                    dst,
+                    len as u32,
+                    [src_dtype.into(), dtype.into()],
+                ),
+                Some(p) => cast_into_sq_kernel::launch_unchecked::<CudaRuntime>(
+                    &client,
+                    CubeCount::Static(range.len() as u32, 1, 1),
+                    dim,
+                    nv,
+                    piece.into_tensor_arg(),
+                    dst,
+                    p.clone().into_tensor_arg(),
+                    len as u32,
+                    range.start as u32,
+                    nv,
+                    [src_dtype.into(), dtype.into()],
+                ),
+            }
         }
         offset += n;
     }
@@ -169,5 +261,5 @@ pub fn pack(pieces: Vec<Cube>, total: usize, dtype: DType) -> Cube {
             );
         }
     }
-    flat
+    (flat, partials.map(|p| (p, ranges)))
 }
