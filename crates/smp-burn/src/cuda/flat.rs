@@ -71,12 +71,41 @@ fn cast_into_sq_kernel<F: Float, O: Float, N: Size>(
     }
 }
 
-/// `dst[i] = 0` over `len` elements (the flat buffer's padding).
+/// `dst[i] = 0` over `len` vectors (the flat buffer's padding, a zeroed table).
 #[cube(launch_unchecked)]
-fn zero_kernel<O: Float>(dst: &mut Tensor<O>, len: u32, #[define(O)] _dtype: StorageType) {
+fn zero_kernel<O: Float, N: Size>(
+    dst: &mut Tensor<Vector<O, N>>,
+    len: u32,
+    #[define(O)] _dtype: StorageType,
+) {
     let i = ABSOLUTE_POS;
     if i < len as usize {
-        dst[i] = O::new(0.0);
+        dst[i] = Vector::new(O::new(0.0));
+    }
+}
+
+/// Zeroes the contiguous 1-D tensor `t`, which starts `offset` elements into an aligned buffer
+/// (the widest vector dividing both is used).
+fn fill_zero(client: &ComputeClient<CudaRuntime>, t: Cube, offset: usize) {
+    let n = t.meta.num_elements();
+    if n == 0 {
+        return;
+    }
+    let nv = width(n, offset);
+    let len = n / nv;
+    let dtype = t.dtype;
+    let count = calculate_cube_count_elemwise(client, len, CubeDim::new_1d(THREADS as u32));
+    // SAFETY: the kernel guards `i < len`, the tensor's vector count.
+    unsafe {
+        zero_kernel::launch_unchecked::<CudaRuntime>(
+            client,
+            count,
+            CubeDim::new_1d(THREADS as u32),
+            nv,
+            t.into_tensor_arg(),
+            len as u32,
+            dtype.into(),
+        );
     }
 }
 
@@ -118,18 +147,7 @@ pub(crate) fn zeros_contiguous(
         t.handle.clone(),
         dtype,
     );
-    let count = calculate_cube_count_elemwise(client, n, CubeDim::new_1d(THREADS as u32));
-    // SAFETY: the kernel guards `i < n`, the buffer's element count.
-    unsafe {
-        zero_kernel::launch_unchecked::<CudaRuntime>(
-            client,
-            count,
-            CubeDim::new_1d(THREADS as u32),
-            flat.into_tensor_arg(),
-            n as u32,
-            dtype.into(),
-        );
-    }
+    fill_zero(client, flat, 0);
     t
 }
 
@@ -247,19 +265,7 @@ fn pack_impl(
         offset += n;
     }
     if offset < total {
-        let n = total - offset;
-        let count = calculate_cube_count_elemwise(&client, n, CubeDim::new_1d(THREADS as u32));
-        // SAFETY: the kernel guards `i < n`, the padding's length.
-        unsafe {
-            zero_kernel::launch_unchecked::<CudaRuntime>(
-                &client,
-                count,
-                CubeDim::new_1d(THREADS as u32),
-                view(&flat, offset..total).into_tensor_arg(),
-                n as u32,
-                dtype.into(),
-            );
-        }
+        fill_zero(&client, view(&flat, offset..total), offset);
     }
     (flat, partials.map(|p| (p, ranges)))
 }
