@@ -590,6 +590,15 @@ pub(crate) fn weighted_sq_sum<B: Backend>(
     Some(from_cube(crate::cuda::adamw::weighted_sq_sum(x, runs)))
 }
 
+/// Whether the packing kernels serve these pieces: the `flat` path is on, `B` is the CUDA
+/// backend and `dtype` a float type the kernels write.
+fn packs_on_cuda<B: Backend>(pieces: &[Tensor<B, 1>], dtype: DType) -> bool {
+    fast_paths().flat
+        && TypeId::of::<B>() == TypeId::of::<CudaCube>()
+        && !pieces.is_empty()
+        && fused_dtype(dtype)
+}
+
 /// One flat tensor of `dtype` and `total` elements holding `pieces` back to back, then zeros,
 /// through one cast-and-copy kernel per piece when `B` is the CUDA backend; `Err(pieces)` hands
 /// them back for the reference (`cast` + `cat`).
@@ -598,11 +607,7 @@ pub(crate) fn pack<B: Backend>(
     total: usize,
     dtype: DType,
 ) -> Result<Tensor<B, 1>, Vec<Tensor<B, 1>>> {
-    if !fast_paths().flat
-        || TypeId::of::<B>() != TypeId::of::<CudaCube>()
-        || pieces.is_empty()
-        || !fused_dtype(dtype)
-    {
+    if !packs_on_cuda::<B>(&pieces, dtype) {
         return Err(pieces);
     }
     let cubes = pieces.into_iter().map(to_cube).collect();
@@ -618,11 +623,7 @@ pub(crate) fn pack_with_sq_sums<B: Backend>(
     total: usize,
     dtype: DType,
 ) -> Result<(Tensor<B, 1>, Tensor<B, 1>, Vec<std::ops::Range<usize>>), Vec<Tensor<B, 1>>> {
-    if !fast_paths().flat
-        || TypeId::of::<B>() != TypeId::of::<CudaCube>()
-        || pieces.is_empty()
-        || !fused_dtype(dtype)
-    {
+    if !packs_on_cuda::<B>(&pieces, dtype) {
         return Err(pieces);
     }
     let cubes = pieces.into_iter().map(to_cube).collect();

@@ -239,6 +239,9 @@ impl FlatLayout {
     }
 }
 
+/// Partial sums of a gradient's squares and each parameter's range of them.
+type SqPartials<IB> = (Tensor<IB, 1>, Vec<Range<usize>>);
+
 /// A unit whose parameters, gradients and optimizer state are sharded across a group.
 #[derive(Debug)]
 pub struct ShardedUnit<B: AutodiffBackend, M: Module<B>> {
@@ -260,7 +263,7 @@ pub struct ShardedUnit<B: AutodiffBackend, M: Module<B>> {
     /// Partial sums of the squares of `grad`, from the packing kernel, and each parameter's
     /// range of them (CUDA, units with nothing to reduce): the gradient norm without reading
     /// `grad` again. `None` whenever `grad` has changed since.
-    grad_sq_partials: Option<(Tensor<B::InnerBackend, 1>, Vec<Range<usize>>)>,
+    grad_sq_partials: Option<SqPartials<B::InnerBackend>>,
     deferred_full_grad: Option<Tensor<B::InnerBackend, 1>>,
     /// The reduce-scatter of the last gradients, started but not yet added to `grad` (prefetch
     /// only). It keeps the unit's full-size gradient alive until [`Self::finish_grads`].
