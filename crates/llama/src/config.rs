@@ -173,8 +173,11 @@ impl LlamaConfig {
         let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
         let tokens = tokens as u64;
         let ranks = (shard_degree.max(1) * tp.max(1)) as u64;
-        // Master weights, two moments and the gradient shard, f32 each.
-        let state = self.num_parameters() as u64 * 16 / ranks;
+        // Master weights and two moments (f32), the gradient shard (f32 where it is reduced,
+        // bf16 where a unit has nothing to reduce) and the bf16 weight copy AdamW writes for the
+        // next gather.
+        let grad_bytes = if shard_degree <= 1 { 2 } else { 4 };
+        let state = self.num_parameters() as u64 * (12 + grad_bytes + 2) / ranks;
         // The largest unit (a layer, or the embedding / head) gathered in bf16 with its bf16
         // gradients and their f32 flat buffer while it runs.
         let largest_unit = (self.block_parameters() as u64 / tp.max(1) as u64)
@@ -227,6 +230,8 @@ mod tests {
         assert!(near(gib(&b1, 1, true), 24.0), "{}", gib(&b1, 1, true));
         assert!(near(gib(&b1, 1, false), 29.5), "{}", gib(&b1, 1, false));
         assert!(near(gib(&b7, 1, true), 114.3), "{}", gib(&b7, 1, true));
+        // Two ranks keep f32 gradients for the reduce-scatter (session 6, call BD: 87.6 GiB).
+        assert!(near(gib(&b7, 2, false), 87.6), "{}", gib(&b7, 2, false));
         let h200 = 139.8;
         assert!(gib(&b7, 1, false) > 0.8 * h200);
         assert!(gib(&b1, 1, false) < 0.8 * h200);
