@@ -975,6 +975,41 @@ pub fn clip_factor<IB: Backend>(
 mod tests {
     use super::*;
 
+    /// The clipping factor on the device: `max / (norm + 1e-6)` only above the threshold, the
+    /// norm itself for logging, over a one-rank shard group.
+    #[test]
+    fn clip_factor_scales_only_above_the_threshold() {
+        use burn_ndarray::NdArray;
+        use collectives::{CommOptions, run_on_threads};
+        type Nd = NdArray<f32>;
+        let results = run_on_threads(1, CommOptions::default(), |comm| {
+            let dev = Default::default();
+            let ctx = FsdpContext::<Nd>::new(
+                Arc::new(crate::comm::HostTensorComm::new(comm)),
+                None,
+                &ParallelConfig::default(),
+            );
+            // Squares summing to 25: norm 5.
+            let sq = || {
+                vec![
+                    Tensor::<Nd, 1>::from_floats([9.0], &dev),
+                    Tensor::<Nd, 1>::from_floats([16.0], &dev),
+                ]
+            };
+            let value = |t: Tensor<Nd, 1>| t.into_scalar();
+            [Some(1.0), Some(10.0), Some(5.0), None].map(|max| {
+                let (scale, norm) = clip_factor(sq(), max, &ctx).unwrap();
+                (value(scale), value(norm))
+            })
+        });
+        let [clipped, under, at, off] = results[0];
+        assert!((clipped.0 - 1.0 / (5.0 + 1e-6)).abs() < 1e-7, "{clipped:?}");
+        assert_eq!(clipped.1, 5.0);
+        assert_eq!(under.0, 1.0, "below the threshold nothing is scaled");
+        assert_eq!(at.0, 1.0, "a norm equal to the threshold is not scaled");
+        assert_eq!(off.0, 1.0, "no clipping without a threshold");
+    }
+
     fn layout(shapes: &[&[usize]], degree: usize) -> FlatLayout {
         let mut offset = 0;
         let params = shapes

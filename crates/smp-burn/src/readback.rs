@@ -119,3 +119,19 @@ impl PendingRead {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_ndarray::NdArray;
+
+    /// Off CUDA the read is deferred to `wait`, which returns the values as f32 whatever the
+    /// tensor's float dtype.
+    #[test]
+    fn deferred_read_returns_the_values() {
+        let dev = Default::default();
+        let t = Tensor::<NdArray<f32>, 1>::from_floats([1.5, -2.0, 3.25], &dev);
+        let pending = read_later(t.clone() * 2.0).unwrap();
+        assert_eq!(pending.wait().unwrap(), vec![3.0, -4.0, 6.5]);
+    }
+}
