@@ -48,10 +48,10 @@
 //! finite `-1e30` only on blocks that cross the diagonal, and warps whose rows are all above a
 //! key block skip it.
 //!
-//! The `-cp` tilings ([`MmaTiling::cp_async`], [`flash_fwd_mma_cp`]) copy K/V with `cp.async`
+//! The `-cp` tilings ([`MmaTiling::cp_async`], `flash_fwd_mma_cp`) copy K/V with `cp.async`
 //! into a double buffer instead (the backward's `-cp` mechanism, same helpers): no staging
 //! registers, one cube barrier per key block, the next block in flight at `m_tiles = 2` too.
-//! Both kernels run the same per-block code ([`fwd_block`]), so their results are identical.
+//! Both kernels run the same per-block code (`fwd_block`), so their results are identical.
 //!
 //! # Backward
 //!
@@ -97,9 +97,9 @@
 //!   right after the barrier that publishes the current one (the forward's K/V scheme), so the
 //!   global loads overlap the current block's four products.
 //! - `-cp`: both kernels copy their streamed tiles with `cp.async` into the other half of a
-//!   double buffer ([`flash_bwd_dkdv_mma_cp`], [`flash_bwd_dq_mma_cp`]); a cube `mbarrier`
+//!   double buffer (`flash_bwd_dkdv_mma_cp`, `flash_bwd_dq_mma_cp`); a cube `mbarrier`
 //!   (`commit_copy_async` + `arrive_and_wait`) is the one barrier per block.
-//! - `-vd`: `delta` by [`flash_delta_wide`] (8 lanes per row, 16-byte loads, shuffle reduction)
+//! - `-vd`: `delta` by `flash_delta_wide` (8 lanes per row, 16-byte loads, shuffle reduction)
 //!   instead of `flash.rs`'s one thread per row.
 
 // Kernel code is expanded by `#[cube]`, which has no `div_ceil` on runtime integers.
@@ -127,7 +127,7 @@ pub const MMA_KEYS: usize = 64;
 /// More rows per warp (`m_tiles = 2`) halves the shared-memory reads of K and V per FLOP but
 /// doubles the accumulator registers and turns off the register prefetch of the next K/V block;
 /// more warps per cube share one staged K/V block between more rows. `cp_async` (the `-cp`
-/// suffix) replaces the staging by `cp.async` double buffering ([`flash_fwd_mma_cp`]). Which is
+/// suffix) replaces the staging by `cp.async` double buffering (`flash_fwd_mma_cp`). Which is
 /// fastest is a measurement, hence the knob (`SMP_BURN_FLASH_MMA_TILING`, [`set_mma_tiling`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MmaTiling {
@@ -730,7 +730,7 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
 /// `row0`, row `wrow` of `qs`): `S = Q K^T`, the online softmax on the accumulators (the causal
 /// mask only on blocks that reach past the warp's first row), then `O += P V`. The block's
 /// first key is `k0`; its K and V rows start at row `krow0` of `ks` and `vs` (0, or the second
-/// half of a double buffer). Shared by [`flash_fwd_mma`] and [`flash_fwd_mma_cp`], which only
+/// half of a double buffer). Shared by [`flash_fwd_mma`] and `flash_fwd_mma_cp`, which only
 /// differ in how the K/V tiles get to shared memory.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -1040,9 +1040,9 @@ fn flash_fwd_mma<F: Float, N: Size>(
 }
 
 /// Forward with `cp.async` double buffering of the K/V tiles ([`MmaTiling::cp_async`]): the
-/// work of [`flash_fwd_mma`] (same [`fwd_block`], same values in the same order), but Q and
+/// work of [`flash_fwd_mma`] (same `fwd_block`, same values in the same order), but Q and
 /// the first K/V block are copied by `cp.async` ([`copy_tile_async`]) and each later K/V
-/// block into the other half of two-block tiles, as [`flash_bwd_dq_mma_cp`] does: after the
+/// block into the other half of two-block tiles, as `flash_bwd_dq_mma_cp` does: after the
 /// barrier that makes block `i` visible (which every thread reaches only once done with block
 /// `i - 1`, the previous user of the other half), the copies of block `i + 1` are issued, then
 /// block `i` is computed. One cube barrier per block instead of two, no staging registers
@@ -2653,14 +2653,14 @@ fn flash_delta_wide<F: Float, N: Size>(
     }
 }
 
-/// Threads per cube of [`flash_delta_wide`].
+/// Threads per cube of `flash_delta_wide`.
 const DELTA_WIDE_THREADS: usize = 256;
 
-/// Lanes per row of [`flash_delta_wide`]: 8 (two 16-byte vectors each at hd 128), fewer when a
+/// Lanes per row of `flash_delta_wide`: 8 (two 16-byte vectors each at hd 128), fewer when a
 /// row has fewer vectors.
 const DELTA_WIDE_LANES: usize = 8;
 
-/// Launches [`flash_delta_wide`]: `delta [B, Hq, S]` (f32) `= rowsum(d_o * o)` for `o`, `d_o`
+/// Launches `flash_delta_wide`: `delta [B, Hq, S]` (f32) `= rowsum(d_o * o)` for `o`, `d_o`
 /// of `shape` `[B, Hq, S, D]` (last dimension contiguous, as `flash.rs` prepares them).
 pub(super) fn launch_delta_wide<R: CubeRuntime>(
     o: CubeTensor<R>,
