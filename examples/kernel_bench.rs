@@ -177,17 +177,12 @@ fn check_xent() -> bool {
         let tol = if dtype == DType::BF16 { 1e-2 } else { 1e-5 };
         let pass = e.iter().all(|&v| v <= tol);
         ok &= pass;
-        let time = |xent: bool| {
-            let _ = run(xent);
-            B::sync(&dev).unwrap();
-            let t0 = Instant::now();
-            for _ in 0..5 {
+        let ms = |xent: bool| {
+            time(5, || {
                 let _ = run(xent);
-            }
-            B::sync(&dev).unwrap();
-            t0.elapsed().as_secs_f64() * 1e3 / 5.0
+            }) * 1e3
         };
-        let (t_ours, t_ref) = (time(true), time(false));
+        let (t_ours, t_ref) = (ms(true), ms(false));
         println!(
             "xent {dtype:?} x[{tokens},{hidden}] w[{vocab},{hidden}]: loss {:.5} vs {:.5}, rel err \
              loss {:.2e} dx {:.2e} dw {:.2e} (tolerance {tol:.0e}) {}; fwd+bwd {t_ours:.2} ms \
@@ -258,17 +253,12 @@ fn check_embedding() -> bool {
         let tol = if dtype == DType::BF16 { 5e-3 } else { 1e-5 };
         let pass = e <= tol;
         ok &= pass;
-        let time = |embed: bool| {
-            let _ = run(embed);
-            B::sync(&dev).unwrap();
-            let t0 = Instant::now();
-            for _ in 0..5 {
+        let ms = |embed: bool| {
+            time(5, || {
                 let _ = run(embed);
-            }
-            B::sync(&dev).unwrap();
-            t0.elapsed().as_secs_f64() * 1e3 / 5.0
+            }) * 1e3
         };
-        let (t_ours, t_ref) = (time(true), time(false));
+        let (t_ours, t_ref) = (ms(true), ms(false));
         println!(
             "embed {dtype:?} ids[{tokens}] < {draw} table[{vocab},{dim}]: dw rel err {e:.2e} \
              (tolerance {tol:.0e}) {} (select_assign {e_burn:.2e}); fwd+bwd {t_ours:.3} ms \

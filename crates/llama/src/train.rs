@@ -507,6 +507,16 @@ pub fn train_rank<B: AutodiffBackend>(
     let mut tokens_done = 0u64;
     let clip = (cfg.grad_clip > 0.0).then_some(cfg.grad_clip);
     let mut pending: Option<PendingStep> = None;
+    // Which steps end with an evaluation or a checkpoint (1-based step counts).
+    let evaluates = |done: u64| {
+        can_evaluate
+            && (done == cfg.steps
+                || (cfg.eval_interval > 0 && done.is_multiple_of(cfg.eval_interval)))
+    };
+    let saves = |done: u64| {
+        cfg.checkpoints && done == cfg.steps
+            || (cfg.checkpoint_interval > 0 && done.is_multiple_of(cfg.checkpoint_interval))
+    };
 
     while start_step < cfg.steps {
         let step = start_step;
@@ -550,15 +560,10 @@ pub fn train_rank<B: AutodiffBackend>(
             loss: smp_burn::readback::read_later(loss)?,
             grad_norm: smp_burn::readback::read_later(stats.grad_norm)?,
             comm: stats.comm,
-            evaluate: can_evaluate
-                && (start_step == cfg.steps
-                    || (cfg.eval_interval > 0 && start_step % cfg.eval_interval == 0)),
-            save: cfg.checkpoints && start_step == cfg.steps
-                || (cfg.checkpoint_interval > 0 && start_step % cfg.checkpoint_interval == 0),
         };
         // Evaluating, saving and the last step need this step's numbers (and a quiet GPU) now;
         // other steps are reported once the next step's work is queued.
-        if this.evaluate || this.save || start_step == cfg.steps {
+        if evaluates(start_step) || saves(start_step) || start_step == cfg.steps {
             ready.push(this.finish(Instant::now())?);
         } else {
             pending = Some(this);
@@ -572,8 +577,6 @@ pub fn train_rank<B: AutodiffBackend>(
                 dt,
                 issued,
                 comm,
-                evaluate,
-                save,
             } = report;
             tokens_done += tokens_per_step;
             last_loss = loss;
@@ -584,7 +587,7 @@ pub fn train_rank<B: AutodiffBackend>(
                     "training diverged at step {reported}: loss {loss}; try a lower learning rate (now {lr:.2e})"
                 )));
             }
-            let val_loss = if evaluate {
+            let val_loss = if evaluates(reported) {
                 Some(evaluate_loss(&model, prepared, &groups, device)?)
             } else {
                 None
@@ -648,7 +651,7 @@ pub fn train_rank<B: AutodiffBackend>(
                         .unwrap_or_default(),
                 );
             }
-            if save {
+            if saves(reported) {
                 save_checkpoint(&model, prepared, reported, position, lead)?;
             }
         }
@@ -705,8 +708,6 @@ struct PendingStep {
     loss: smp_burn::readback::PendingRead,
     grad_norm: smp_burn::readback::PendingRead,
     comm: smp_burn::fsdp::CommStats,
-    evaluate: bool,
-    save: bool,
 }
 
 /// A step's numbers on the host.
@@ -720,8 +721,6 @@ struct StepReport {
     dt: f64,
     issued: f64,
     comm: smp_burn::fsdp::CommStats,
-    evaluate: bool,
-    save: bool,
 }
 
 impl PendingStep {
@@ -739,8 +738,6 @@ impl PendingStep {
             dt: end.duration_since(self.started).as_secs_f64(),
             issued: self.issued,
             comm: self.comm,
-            evaluate: self.evaluate,
-            save: self.save,
         })
     }
 }

@@ -519,9 +519,9 @@ pub(crate) type AdamWState<B> = [Tensor<B, 1>; 3];
 pub(crate) type AdamWUpdate<B> = (AdamWState<B>, Option<Tensor<B, 1>>);
 
 /// FSDP's AdamW step through the fused kernel when `B` is the CUDA backend and the state is
-/// f32 (the gradient may be f32, bf16 or f16). `state` is `[master, exp_avg, exp_avg_sq]`, taken by value so that the kernel can update
-/// the buffers in place: a second handle would make it copy each one first (three shard-sized
-/// copies per unit and step). With `copy_dtype` the kernel also returns the updated weights in
+/// f32 (the gradient may be f32, bf16 or f16). `state` is `[master, exp_avg, exp_avg_sq]`,
+/// taken by value so that the kernel can update the buffers in place: a second handle would
+/// make it copy each one first (three shard-sized copies per unit and step). With `copy_dtype` the kernel also returns the updated weights in
 /// that dtype. `Err(state)` hands the state back: use the reference.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw_step<B: Backend>(
@@ -574,8 +574,7 @@ pub(crate) fn adamw_step<B: Backend>(
 
 /// `sum_r weight_r * sum(t[range_r]^2)` (the gradient norm's share of a shard) through one
 /// deterministic CubeCL reduction (in f32) when `B` is the CUDA backend and `t` is f32, bf16 or
-/// f16; part of the
-/// `adamw` switch, since only the optimizer step uses it. `None` means "use the reference".
+/// f16; part of the `adamw` switch, since only the optimizer step uses it. `None` means "use the reference".
 pub(crate) fn weighted_sq_sum<B: Backend>(
     t: &Tensor<B, 1>,
     runs: &[(std::ops::Range<usize>, f32)],

@@ -331,7 +331,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         ctx: &FsdpContext<B::InnerBackend>,
     ) -> Result<PendingGather<B::InnerBackend>, SmpError> {
         let shard = match &self.compute {
-            Some(c) if ctx.param_dtype == self.param_dtype => c.clone(),
+            Some(c) if c.dtype() == DType::from(ctx.param_dtype) => c.clone(),
             _ => self.master.clone().cast(ctx.param_dtype),
         };
         if self.degree == 1 {
@@ -604,13 +604,9 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         // The parameters' ranges are back to back: neighbours of equal weight merge into one
         // run, so a unit takes one launch per run (two with tensor parallelism) instead of one
         // per parameter (call BE: 225 launches where 48 did).
-        let mut runs: Vec<(Range<usize>, f32)> = Vec::new();
+        let mut runs = Vec::new();
         for (p, r) in self.layout.params.iter().zip(ranges) {
-            let w = weight(p);
-            match runs.last_mut() {
-                Some((last, lw)) if *lw == w && last.end == r.start => last.end = r.end,
-                _ => runs.push((r.clone(), w)),
-            }
+            push_run(&mut runs, r.clone(), weight(p));
         }
         crate::fast::weighted_sum(partials, &runs)
     }
@@ -835,24 +831,27 @@ fn param_runs<K: Copy + PartialEq>(
     key: &dyn Fn(&FlatParam) -> K,
     padding: K,
 ) -> Vec<(Range<usize>, K)> {
-    fn push<K: PartialEq>(runs: &mut Vec<(Range<usize>, K)>, r: Range<usize>, k: K) {
-        match runs.last_mut() {
-            _ if r.is_empty() => {}
-            Some((last, lk)) if *lk == k && last.end == r.start => last.end = r.end,
-            _ => runs.push((r, k)),
-        }
-    }
     let mut runs = Vec::new();
     for p in &layout.params {
         let lo = p.offset.max(range.start);
         let hi = (p.offset + p.numel).min(range.end);
         if lo < hi {
-            push(&mut runs, lo - range.start..hi - range.start, key(p));
+            push_run(&mut runs, lo - range.start..hi - range.start, key(p));
         }
     }
     let covered = runs.last().map_or(0, |(r, _)| r.end);
-    push(&mut runs, covered..range.len(), padding);
+    push_run(&mut runs, covered..range.len(), padding);
     runs
+}
+
+/// Appends `r` with key `k` to `runs`, extending the last run when it ends where `r` starts and
+/// has the same key; empty ranges are dropped.
+fn push_run<K: PartialEq>(runs: &mut Vec<(Range<usize>, K)>, r: Range<usize>, k: K) {
+    match runs.last_mut() {
+        _ if r.is_empty() => {}
+        Some((last, lk)) if *lk == k && last.end == r.start => last.end = r.end,
+        _ => runs.push((r, k)),
+    }
 }
 
 /// This rank's shard as one f32 device tensor, made of the pieces `piece(param, range within the

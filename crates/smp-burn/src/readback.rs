@@ -64,9 +64,7 @@ type CudaServer = <CudaRuntime as Runtime>::Server;
 pub fn read_later<B: Backend>(t: Tensor<B, 1>) -> Result<PendingRead, SmpError> {
     let t = t.cast(DType::F32);
     if TypeId::of::<B>() == TypeId::of::<CudaCube>() {
-        let t = *(Box::new(t) as Box<dyn std::any::Any>)
-            .downcast::<Tensor<CudaCube, 1>>()
-            .unwrap_or_else(|_| unreachable!("TypeId checked above"));
+        let t: Tensor<CudaCube, 1> = crate::fast::same(t);
         let prim = into_contiguous(t.into_primitive().tensor());
         let len = prim.meta.num_elements();
         // What `ComputeClient::read_async` does, minus its future's borrow of the client: the

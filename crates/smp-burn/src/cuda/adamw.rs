@@ -338,23 +338,18 @@ pub fn adamw_step(
         grad.copy()
     };
     let client = master.client.clone();
-    let copy = copy_dtype.map(|d| {
+    let alloc = |n: usize, d: DType| {
         burn_cubecl::ops::numeric::empty_device_contiguous_dtype::<CudaRuntime>(
             client.clone(),
             master.device.clone(),
-            [len].into(),
+            [n].into(),
             d,
         )
-    });
-    // Without a copy the kernel still takes a tensor of the copy's type; it is never written.
-    let unused = || {
-        burn_cubecl::ops::numeric::empty_device_contiguous_dtype::<CudaRuntime>(
-            client.clone(),
-            master.device.clone(),
-            [8].into(),
-            DType::F32,
-        )
     };
+    let copy = copy_dtype.map(|d| alloc(len, d));
+    // Without a copy the kernel still takes a tensor of the copy's type; it is never written,
+    // so one small buffer serves every launch.
+    let unused = copy.is_none().then(|| alloc(8, DType::F32));
     let copy_dt = copy_dtype.unwrap_or(DType::F32);
     for (run, decays) in decay_runs {
         let decay = if *decays {
@@ -373,9 +368,10 @@ pub fn adamw_step(
                 .find(|w| n.is_multiple_of(*w) && start.is_multiple_of(*w))
                 .expect("1 divides everything");
             let vectors = n / nv;
-            let copy_arg = match &copy {
-                Some(c) => view(c, start..end),
-                None => unused(),
+            let copy_arg = match (&copy, &unused) {
+                (Some(c), _) => view(c, start..end),
+                (None, Some(u)) => u.clone(),
+                (None, None) => unreachable!("a copy or the unused buffer exists"),
             };
             // SAFETY: the views hold `n` elements each (shapes checked above; the unused copy
             // is never written) and the kernel guards `i < n / nv`; `grad_scale` has one

@@ -22,6 +22,7 @@ use cubecl::prelude::*;
 
 use super::CudaCube;
 use super::gemm::CudaAutodiff;
+use super::xent::vector_width;
 
 type Cube = CubeTensor<CudaRuntime>;
 
@@ -83,15 +84,6 @@ fn embedding_grad_kernel<F: Float, N: Size>(
         out[row as usize * hv + c] = Vector::<F, N>::cast_from(acc);
         c += THREADS;
     }
-}
-
-/// The widest vector (up to 16 bytes) that divides the row.
-fn vector_width(dim: usize, dtype: DType) -> usize {
-    let max = 16 / dtype.size();
-    [8, 4, 2, 1]
-        .into_iter()
-        .find(|w| *w <= max && dim.is_multiple_of(*w))
-        .expect("1 divides everything")
 }
 
 /// The gradient of `embedding(weight, ids)` with respect to a `[vocab, dim]` table: rows of

@@ -155,12 +155,13 @@ fn softmax_grad_kernel<F: Float, N: Size>(
     }
 }
 
-/// The widest vector (up to 16 bytes) that divides the vocabulary.
-fn vector_width(vocab: usize, dtype: DType) -> usize {
+/// The widest vector (up to 16 bytes) that divides a row of `len` elements (the vocabulary
+/// here, the embedding's width in [`super::embedding`]).
+pub(super) fn vector_width(len: usize, dtype: DType) -> usize {
     let max = 16 / dtype.size();
     [8, 4, 2, 1]
         .into_iter()
-        .find(|w| *w <= max && vocab.is_multiple_of(*w))
+        .find(|w| *w <= max && len.is_multiple_of(*w))
         .expect("1 divides everything")
 }
 
