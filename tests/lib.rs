@@ -75,7 +75,7 @@ pub fn train_rank(
         ctx,
         tp,
         &device,
-        parallel.activation_checkpointing,
+        parallel.checkpointing(),
         &init,
     )
     .expect("model");

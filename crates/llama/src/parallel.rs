@@ -26,11 +26,11 @@ use burn::tensor::{
     FloatDType, Int, Tensor, TensorData,
     backend::{AutodiffBackend, Backend},
 };
-use smp_burn::PendingGather;
 use smp_burn::fsdp::{
     AdamW, CommStats, FlatParam, FsdpContext, ShardedUnit, StateKind, clip_factor,
 };
 use smp_burn::tp::{self, TpContext};
+use smp_burn::{ActivationCheckpointing, PendingGather};
 
 use crate::config::LlamaConfig;
 use crate::error::Result;
@@ -92,7 +92,7 @@ pub struct ShardedLlama<B: AutodiffBackend> {
     /// The tensor-parallel group; `None` without tensor parallelism (degree 1).
     tp: Option<TpContext<B::InnerBackend>>,
     device: B::Device,
-    checkpointing: bool,
+    checkpointing: ActivationCheckpointing,
     /// Rotary tables of the last sequence length used. Building them on the host took about
     /// 20 ms per micro-batch at S=4096 (half a million `powf`/`cos`/`sin` calls and a copy to
     /// the device), a sixth of a 1.2B model's step on an H200.
@@ -136,7 +136,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         config: &LlamaConfig,
         ctx: FsdpContext<B::InnerBackend>,
         device: &B::Device,
-        activation_checkpointing: bool,
+        activation_checkpointing: impl Into<ActivationCheckpointing>,
         init: &ParamInit<'_>,
     ) -> Result<Self> {
         Self::with_tensor_parallel(config, ctx, None, device, activation_checkpointing, init)
@@ -152,7 +152,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         ctx: FsdpContext<B::InnerBackend>,
         tp: Option<TpContext<B::InnerBackend>>,
         device: &B::Device,
-        activation_checkpointing: bool,
+        activation_checkpointing: impl Into<ActivationCheckpointing>,
         init: &ParamInit<'_>,
     ) -> Result<Self> {
         config.validate()?;
@@ -209,9 +209,15 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
             ctx,
             tp,
             device: device.clone(),
-            checkpointing: activation_checkpointing,
+            checkpointing: activation_checkpointing.into(),
             rope_cache: std::sync::Mutex::new(None),
         })
+    }
+
+    /// The last layer before `layer` that recomputes its forward in the backward (the next one
+    /// the backward gathers), if any.
+    fn recomputed_below(&self, layer: usize) -> Option<usize> {
+        (0..layer).rev().find(|&j| self.checkpointing.recomputes(j))
     }
 
     /// The communication context (shard and replica groups).
@@ -339,7 +345,8 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         let mut x = embed.forward(tokens.clone()).detach();
         drop(embed);
 
-        // Layers: either keep only each layer's input (checkpointing) or its whole graph.
+        // Layers: either keep only each layer's input (recomputed in the backward) or its whole
+        // graph.
         enum Saved<B: AutodiffBackend> {
             Input(Tensor<B::InnerBackend, 3>),
             Graph {
@@ -358,7 +365,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                     next_other = Some(self.head.start_gather(ctx)?);
                 }
             }
-            if self.checkpointing {
+            if self.checkpointing.recomputes(i) {
                 let layer = unit.assemble(full, false);
                 let y = layer
                     .forward_split(x.clone(), cos.clone(), sin.clone(), &regions)?
@@ -382,12 +389,11 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         // Head: loss forward and backward.
         let head_full = gathered(next_other.take(), &self.head, ctx)?;
         if prefetch {
-            // The backward's first gather: the last layer's (recomputed with checkpointing),
-            // else the embedding's (the only unit the backward gathers without it).
-            if self.checkpointing && n > 0 {
-                next_layer = Some(self.layers[n - 1].start_gather(ctx)?);
-            } else {
-                next_other = Some(self.embed.start_gather(ctx)?);
+            // The backward's first gather: the last layer that recomputes, else the
+            // embedding's (the only unit the backward gathers when none does).
+            match self.recomputed_below(n) {
+                Some(j) => next_layer = Some(self.layers[j].start_gather(ctx)?),
+                None => next_other = Some(self.embed.start_gather(ctx)?),
             }
         }
         let head = self.head.assemble(head_full, true);
@@ -413,10 +419,9 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                 Saved::Input(input) => {
                     let full = gathered(next_layer.take(), &self.layers[i], ctx)?;
                     if prefetch {
-                        if i > 0 {
-                            next_layer = Some(self.layers[i - 1].start_gather(ctx)?);
-                        } else {
-                            next_other = Some(self.embed.start_gather(ctx)?);
+                        match self.recomputed_below(i) {
+                            Some(j) => next_layer = Some(self.layers[j].start_gather(ctx)?),
+                            None => next_other = Some(self.embed.start_gather(ctx)?),
                         }
                     }
                     let layer = self.layers[i].assemble(full, true);

@@ -375,7 +375,7 @@ pub fn train_rank<B: AutodiffBackend>(
             groups.fsdp.clone(),
             groups.tp.clone(),
             device,
-            cfg.parallel.activation_checkpointing,
+            cfg.parallel.checkpointing(),
             init,
         )
     };
@@ -438,7 +438,8 @@ pub fn train_rank<B: AutodiffBackend>(
         tracing::info!(
             "model: {:.2}M parameters ({} layers, hidden {}), {} ranks ({} replica x {} shard x {} tensor), \
              {accum} micro-batch(es) of {} x {} tokens per data-parallel rank per step ({tokens_per_step} tokens/step); \
-             {} train / {} validation windows; unigram baseline {unigram:.3} nats",
+             {} train / {} validation windows; unigram baseline {unigram:.3} nats; \
+             {} of {} layers recompute their forward in the backward (activation checkpointing)",
             n as f64 / 1e6,
             prepared.model.num_hidden_layers,
             prepared.model.hidden_size,
@@ -450,6 +451,10 @@ pub fn train_rank<B: AutodiffBackend>(
             cfg.seq_len,
             prepared.dataset.train_windows(),
             prepared.dataset.val_windows(),
+            cfg.parallel
+                .checkpointing()
+                .recomputed_layers(prepared.model.num_hidden_layers),
+            prepared.model.num_hidden_layers,
         );
     }
     // Every rank reports its own share: with sharding it is 1/shard-degree of the whole.

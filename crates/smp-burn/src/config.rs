@@ -42,6 +42,12 @@ pub struct ParallelConfig {
     /// Recompute each unit's forward in its backward instead of keeping its activations and
     /// gathered parameters: memory of one unit instead of all of them.
     pub activation_checkpointing: bool,
+    /// With activation checkpointing on, how many decoder layers recompute their forward,
+    /// counted from the first (Megatron's `--recompute-method block`); `None` means all. Each
+    /// layer left out keeps its activations (about 0.6 GiB for Llama 2 7B at 4,096 tokens) and
+    /// is not run twice, so a model that almost fits trains faster with only some layers
+    /// recomputed.
+    pub checkpointed_layers: Option<usize>,
     /// Free gathered parameters after a unit's forward and gather them again for its backward.
     /// Implied by activation checkpointing.
     pub reshard_after_forward: bool,
@@ -63,9 +69,62 @@ impl Default for ParallelConfig {
             param_dtype: Precision::F32,
             reduce_dtype: Precision::F32,
             activation_checkpointing: true,
+            checkpointed_layers: None,
             reshard_after_forward: true,
             prefetch_depth: 1,
         }
+    }
+}
+
+impl ParallelConfig {
+    /// Which layers recompute their forward, from `activation_checkpointing` and
+    /// `checkpointed_layers`.
+    pub fn checkpointing(&self) -> ActivationCheckpointing {
+        match (self.activation_checkpointing, self.checkpointed_layers) {
+            (false, _) => ActivationCheckpointing::Off,
+            (true, None) => ActivationCheckpointing::All,
+            (true, Some(n)) => ActivationCheckpointing::FirstLayers(n),
+        }
+    }
+}
+
+/// Which of a model's repeated blocks (decoder layers) keep only their input in the forward and
+/// recompute the rest in the backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActivationCheckpointing {
+    /// Every layer keeps its activations.
+    Off,
+    /// Every layer recomputes.
+    All,
+    /// The first `n` layers recompute, the others keep their activations (all of them when `n`
+    /// is at least the number of layers).
+    FirstLayers(usize),
+}
+
+impl ActivationCheckpointing {
+    /// Whether layer `index` (from 0) recomputes.
+    pub fn recomputes(self, index: usize) -> bool {
+        match self {
+            Self::Off => false,
+            Self::All => true,
+            Self::FirstLayers(n) => index < n,
+        }
+    }
+
+    /// How many of `layers` layers recompute.
+    pub fn recomputed_layers(self, layers: usize) -> usize {
+        match self {
+            Self::Off => 0,
+            Self::All => layers,
+            Self::FirstLayers(n) => n.min(layers),
+        }
+    }
+}
+
+impl From<bool> for ActivationCheckpointing {
+    /// `true` recomputes every layer, `false` none.
+    fn from(on: bool) -> Self {
+        if on { Self::All } else { Self::Off }
     }
 }
 

@@ -24,5 +24,5 @@ pub mod readback;
 pub mod tp;
 
 pub use comm::{HostTensorComm, PendingCollective, PendingGather, TensorComm};
-pub use config::{ParallelConfig, ParallelDims, Precision};
+pub use config::{ActivationCheckpointing, ParallelConfig, ParallelDims, Precision};
 pub use error::SmpError;
