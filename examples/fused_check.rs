@@ -223,9 +223,21 @@ fn check_rms_norm_variant(quick: bool, op: &str) -> bool {
                     let wa =
                         Tensor::<Ad, 1>::from_inner(w.clone().cast(dtype).cast(d)).require_grad();
                     let y = ops::rms_norm(xa.clone(), wa.clone(), EPS);
-                    let grads = (y.clone().cast(DType::F32) * Tensor::from_inner(g.clone()))
+                    // A residual stream beside the norm, as in a decoder layer: its gradient
+                    // reaches x first and the norm's backward adds into it, in place (bf16) or
+                    // into a copy (f32: the add passes the buffer to `skip` too, which must
+                    // keep its own gradient unchanged).
+                    let skip = Tensor::<Ad, 3>::from_inner(x.clone().cast(d) * 0.0).require_grad();
+                    let residual = if dtype == DType::BF16 {
+                        xa.clone()
+                    } else {
+                        xa.clone() + skip.clone()
+                    };
+                    let grads = ((y.clone().cast(DType::F32) * Tensor::from_inner(g.clone()))
                         .sum()
-                        .backward();
+                        + (residual.cast(DType::F32) * Tensor::from_inner(g.clone() * 0.5)).sum())
+                    .backward();
+                    let dskip = skip.grad(&grads).map(host).unwrap_or_default();
                     let plain = ops::rms_norm(
                         x.clone().cast(dtype).cast(d),
                         w.clone().cast(dtype).cast(d),
@@ -236,6 +248,7 @@ fn check_rms_norm_variant(quick: bool, op: &str) -> bool {
                         ("y_plain", host(plain)),
                         ("dx", host(xa.grad(&grads).expect("dx"))),
                         ("dweight", host(wa.grad(&grads).expect("dweight"))),
+                        ("dskip", dskip),
                     ]
                 };
                 ok &= compare(
@@ -655,8 +668,14 @@ fn bench(iters: usize) {
     for (suffix, legacy) in VARIANTS {
         fused::set_legacy_kernels(legacy);
         let bwd = time_ms(iters, || {
-            let _ =
-                fused::rms_norm_backward(xp.clone(), wp.clone(), inv.clone(), dyp.clone(), true);
+            let _ = fused::rms_norm_backward(
+                xp.clone(),
+                wp.clone(),
+                inv.clone(),
+                dyp.clone(),
+                true,
+                None,
+            );
         });
         bw_line(
             &format!("rms_norm{suffix}"),
@@ -668,6 +687,31 @@ fn bench(iters: usize) {
             iters,
         );
     }
+    // Adding into the residual stream's gradient (one more read of a row per row).
+    fused::set_legacy_kernels(false);
+    let acc = randn([tokens, hidden], 0.0, 1.0)
+        .cast(bf)
+        .into_primitive()
+        .tensor();
+    let bwd = time_ms(iters, || {
+        let _ = fused::rms_norm_backward(
+            xp.clone(),
+            wp.clone(),
+            inv.clone(),
+            dyp.clone(),
+            true,
+            Some(acc.clone()),
+        );
+    });
+    bw_line(
+        "rms_norm_acc",
+        "bwd",
+        "-",
+        4 * act + 2 * hidden * e + tokens * 4,
+        bwd,
+        None,
+        iters,
+    );
     fused::set_legacy_kernels(initial);
     let g = randn([tokens, hidden], 0.0, 1.0).cast(bf);
     let leaf = |t: &Tensor<G, 2>| Tensor::<Ad, 2>::from_inner(t.clone()).require_grad();

@@ -57,7 +57,9 @@ fn host<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
         .unwrap()
 }
 
-/// `y = linear(x, w)` and the gradients of `sum(y * r)` on any backend, with x and w in `dtype`.
+/// `y = linear(x, w)` and the gradients of `sum(y * r) - sum(linear(x, w) * r) / 2` on any
+/// backend, with x and w in `dtype`. The second linear shares the input as q/k/v do: its
+/// backward runs first, and the first one's `dx` is added into its gradient by the GEMM.
 fn linear_grads<Bk: Backend>(
     x: &Tensor<Bk, 3>,
     w: &Tensor<Bk, 2>,
@@ -67,7 +69,9 @@ fn linear_grads<Bk: Backend>(
     let xa = Tensor::<Autodiff<Bk>, 3>::from_inner(x.clone().cast(dtype)).require_grad();
     let wa = Tensor::<Autodiff<Bk>, 2>::from_inner(w.clone().cast(dtype)).require_grad();
     let y = ops::linear(xa.clone(), wa.clone());
-    let loss = (y.clone().cast(DType::F32) * Tensor::from_inner(r.clone())).sum();
+    let second = ops::linear(xa.clone(), wa.clone());
+    let loss = (y.clone().cast(DType::F32) * Tensor::from_inner(r.clone())).sum()
+        - (second.cast(DType::F32) * Tensor::from_inner(r.clone() * 0.5)).sum();
     let g = loss.backward();
     [
         host(y.inner()),

@@ -213,33 +213,30 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
     Ok(c)
 }
 
-/// How many decoder layers to recompute so that the run fits one GPU: the fewest whose memory
-/// estimate stays within [`MEMORY_BUDGET_PERCENT`] of the device. Recomputing a layer costs
-/// about a third more of its compute (the 1.2B model at S=4096 runs 12 % faster without any),
-/// so layers that fit keep their activations.
+/// How many decoder layers to recompute so that the run fits one GPU
+/// (`LlamaConfig::layers_to_recompute`, from the memory estimate); all of them when the device
+/// cannot be asked.
 fn layers_to_recompute(config: &TrainConfig, dims: &ParallelDims) -> Result<usize, DynError> {
     let model = train::model_config(config, 1)?;
     let layers = model.num_hidden_layers;
     let tokens = config.micro_batch * config.seq_len;
-    let need =
-        |recomputed| model.training_memory_estimate(tokens, dims.shard, dims.tensor, recomputed);
     let Some(have) = smp_burn::cuda::cuda_device_memory(0) else {
         return Ok(layers);
     };
-    let budget = have / 100 * MEMORY_BUDGET_PERCENT;
-    let recomputed = (0..=layers).find(|&n| need(n) <= budget).unwrap_or(layers);
+    let recomputed = model.layers_to_recompute(tokens, dims.shard, dims.tensor, have);
+    let need = |n| model.training_memory_estimate(tokens, dims.shard, dims.tensor, n);
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
-        "activation checkpointing: recomputing {recomputed} of {layers} layers; this run needs          about {:.0} GiB per GPU ({:.0} GiB without recomputing), {:.0} GiB is          {MEMORY_BUDGET_PERCENT} % of the GPU (--activation-checkpointing and          --checkpointed-layers override)",
+        "activation checkpointing: recomputing {recomputed} of {layers} layers; this run needs \
+         about {:.0} GiB per GPU ({:.0} GiB recomputing none), {:.0} GiB is {} % of the GPU \
+         (--activation-checkpointing and --checkpointed-layers override)",
         gib(need(recomputed)),
         gib(need(0)),
-        gib(budget)
+        gib(have / 100 * llama::config::MEMORY_BUDGET_PERCENT),
+        llama::config::MEMORY_BUDGET_PERCENT
     );
     Ok(recomputed)
 }
-
-/// The share of a GPU's memory the automatic checkpointing choice plans to fill.
-const MEMORY_BUDGET_PERCENT: u64 = 80;
 
 /// Peak resident memory of this process (CPU runs), from /proc.
 fn peak_rss() -> Option<u64> {
@@ -315,8 +312,9 @@ fn install_panic_hook() {
             .unwrap_or("");
         if msg.contains("can't allocate buffer") || msg.contains("out of memory") {
             eprintln!(
-                "error: out of GPU memory ({msg}). Shard over more GPUs (--nproc-per-node), keep \
-                 --activation-checkpointing on, or lower --micro-batch / --seq-len."
+                "error: out of GPU memory ({msg}). Shard over more GPUs (--nproc-per-node), \
+                 recompute more layers (--activation-checkpointing true, or a larger \
+                 --checkpointed-layers), or lower --micro-batch / --seq-len."
             );
         } else {
             eprintln!("error: a thread panicked; stopping (the last checkpoint is intact)");

@@ -516,6 +516,7 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
     #[comptime] vpt: usize,
     #[comptime] threads: usize,
     #[comptime] want_dw: bool,
+    #[comptime] accumulate: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let blk = CUBE_POS;
@@ -533,9 +534,11 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
     let mut scratch = SharedMemory::<f32>::new(comptime!(2 * threads));
     let mut ws = Array::<Vector<f32, N>>::new(vpt);
     let mut acc = Array::<Vector<f32, N>>::new(vpt);
-    // Raw (input dtype) vectors of the next row, loaded one iteration ahead.
+    // Raw (input dtype) vectors of the next row, loaded one iteration ahead (with
+    // `accumulate`, also the gradient already in `dx`, which this row's result adds to).
     let mut xn = Array::<Vector<F, N>>::new(vpt);
     let mut gn = Array::<Vector<F, N>>::new(vpt);
+    let mut an = Array::<Vector<F, N>>::new(vpt);
     #[unroll]
     for i in 0..vpt {
         let c = i * threads + t;
@@ -544,6 +547,9 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
             w = Vector::<f32, N>::cast_from(weight[c]);
             xn[i] = x[r0 * hv + c];
             gn[i] = dy[r0 * hv + c];
+            if comptime!(accumulate) {
+                an[i] = dx[r0 * hv + c];
+            }
         }
         ws[i] = w;
         acc[i] = Vector::<f32, N>::new(f32::new(0.0));
@@ -552,6 +558,7 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
     let mut xs = Array::<Vector<f32, N>>::new(vpt);
     let mut gs = Array::<Vector<f32, N>>::new(vpt);
     let mut dns = Array::<Vector<f32, N>>::new(vpt);
+    let mut accs = Array::<Vector<f32, N>>::new(vpt);
     for row in r0..r1 {
         let base = row * hv;
         let r = rn;
@@ -562,12 +569,17 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
             let c = i * threads + t;
             let mut xv = Vector::<f32, N>::new(f32::new(0.0));
             let mut g = Vector::<f32, N>::new(f32::new(0.0));
+            let mut a = Vector::<f32, N>::new(f32::new(0.0));
             if c < hv {
                 xv = Vector::<f32, N>::cast_from(xn[i]);
                 g = Vector::<f32, N>::cast_from(gn[i]);
+                if comptime!(accumulate) {
+                    a = Vector::<f32, N>::cast_from(an[i]);
+                }
             }
             xs[i] = xv;
             gs[i] = g;
+            accs[i] = a;
         }
         // Issue the next row's loads now; they complete while this row is reduced and stored.
         let next = row + 1;
@@ -579,6 +591,9 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
                 if c < hv {
                     xn[i] = x[nb + c];
                     gn[i] = dy[nb + c];
+                    if comptime!(accumulate) {
+                        an[i] = dx[nb + c];
+                    }
                 }
             }
             rn = inv_rms[next];
@@ -603,7 +618,11 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
         for i in 0..vpt {
             let c = i * threads + t;
             if c < hv {
-                dx[base + c] = Vector::<F, N>::cast_from(dns[i] * rv - xs[i] * coef);
+                let mut v = dns[i] * rv - xs[i] * coef;
+                if comptime!(accumulate) {
+                    v += accs[i];
+                }
+                dx[base + c] = Vector::<F, N>::cast_from(v);
             }
         }
     }
@@ -972,7 +991,9 @@ pub fn rms_norm_forward<R: CubeRuntime>(
 
 /// RMSNorm backward: from the forward's `x`, `weight` and `inv_rms` and the upstream `dy`,
 /// returns `dx` (x's dtype) and, when `want_dw`, `dweight` (the weight's dtype), summed over
-/// rows in f32 through per-block partial sums (deterministic, no atomics).
+/// rows in f32 through per-block partial sums (deterministic, no atomics). With `dx_into` (a
+/// contiguous buffer shaped as `x` that no other tensor holds; not with the legacy kernel),
+/// `dx` is added into it, the sum rounded once, and returned.
 ///
 /// # Panics
 /// As [`rms_norm_forward`].
@@ -982,6 +1003,7 @@ pub fn rms_norm_backward<R: CubeRuntime>(
     inv_rms: CubeTensor<R>,
     dy: CubeTensor<R>,
     want_dw: bool,
+    dx_into: Option<CubeTensor<R>>,
 ) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
     let (rows, hidden) = rms_norm_dims(&x, &weight);
     assert!(
@@ -1004,12 +1026,29 @@ pub fn rms_norm_backward<R: CubeRuntime>(
     let client = x.client.clone();
     let device = x.device.clone();
     let dtype = x.dtype;
-    let dx = empty_device_contiguous_dtype(
-        client.clone(),
-        device.clone(),
-        x.meta.shape().clone(),
-        dtype,
-    );
+    let accumulate = dx_into.is_some();
+    let dx = match dx_into {
+        Some(acc) => {
+            assert!(
+                acc.meta.shape() == x.meta.shape() && acc.is_contiguous() && acc.dtype == dtype,
+                "rms_norm backward: accumulator {:?} {:?} does not match x {:?} {dtype:?}",
+                acc.meta.shape(),
+                acc.dtype,
+                x.meta.shape()
+            );
+            assert!(
+                !legacy_kernels(),
+                "rms_norm backward: the legacy kernel does not accumulate"
+            );
+            acc
+        }
+        None => empty_device_contiguous_dtype(
+            client.clone(),
+            device.clone(),
+            x.meta.shape().clone(),
+            dtype,
+        ),
+    };
     let alloc_dw = || {
         empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([hidden]), dtype)
     };
@@ -1102,6 +1141,7 @@ pub fn rms_norm_backward<R: CubeRuntime>(
                 vpt,
                 threads,
                 want_dw,
+                accumulate,
                 dtype.into(),
             );
         }
@@ -1481,10 +1521,18 @@ impl Backward<CudaCube, 2> for RmsNormBackward {
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        let [node_x, node_w] = ops.parents;
         let dy = grads.consume::<CudaCube>(&ops.node);
+        // `dx` adds into the residual stream's gradient registered so far (the skip
+        // connection's, whose add ran its backward first) instead of a separate add.
+        let dx_into = if legacy_kernels() {
+            None
+        } else {
+            let shape = ops.state.0.meta.shape().clone();
+            super::take_grad_for_accumulation(&ops, 0, grads, &dy, &shape)
+        };
+        let [node_x, node_w] = ops.parents;
         let (x, w, inv_rms) = ops.state;
-        let (dx, dw) = rms_norm_backward(x, w, inv_rms, dy, node_w.is_some());
+        let (dx, dw) = rms_norm_backward(x, w, inv_rms, dy, node_w.is_some(), dx_into);
         if let Some(node) = node_x {
             grads.register::<CudaCube>(node.id, dx);
         }

@@ -146,8 +146,9 @@ impl Operand {
     }
 }
 
-/// One column-major GEMM `C[m,n] = op(A) op(B)`.
+/// One column-major GEMM `C[m,n] = op(A) op(B)`, or `C += op(A) op(B)` with `accumulate`.
 struct GemmCall {
+    accumulate: bool,
     trans_a: bool,
     trans_b: bool,
     m: usize,
@@ -347,7 +348,7 @@ fn issue_on_server(
     let dim = |v: usize| {
         i32::try_from(v).map_err(|_| SmpError::Cuda(format!("GEMM dimension {v} exceeds i32")))
     };
-    let (alpha, beta) = (1.0f32, 0.0f32);
+    let (alpha, overwrite, add) = (1.0f32, 0.0f32, 1.0f32);
     match after {
         Some((flag, epoch)) => {
             let (flag, _guard) = ptr(&flag)?;
@@ -396,7 +397,7 @@ fn issue_on_server(
                 b as *const _,
                 dt,
                 dim(c.b.ld)?,
-                (&beta as *const f32).cast(),
+                (if c.accumulate { &add } else { &overwrite } as *const f32).cast(),
                 out as *mut _,
                 dt,
                 dim(c.c.ld)?,
@@ -460,6 +461,7 @@ pub fn linear_forward(
     if m * n * k > 0 {
         // Row-major y[m,n] is column-major y^T[n,m] = w[n,k] (stored as w^T, k x n) ^T · x^T.
         let call = GemmCall {
+            accumulate: false,
             trans_a: true,
             trans_b: false,
             m: n,
@@ -475,7 +477,9 @@ pub fn linear_forward(
 }
 
 /// The two backward GEMMs of [`linear_forward`]: `dx = dy w` (when `w` is given) and
-/// `dw = dy^T x` (when `x` is given), in one ordered batch.
+/// `dw = dy^T x` (when `x` is given), in one ordered batch. With `dx_into` (a contiguous
+/// buffer of `x_shape` that no other tensor holds), `dx` is added into it in the GEMM's
+/// epilogue (cuBLAS `beta = 1`, the sum rounded once) and returned.
 ///
 /// # Panics
 /// As [`linear_forward`].
@@ -484,6 +488,7 @@ pub fn linear_backward(
     x: Option<CubeTensor<CudaRuntime>>,
     w: Option<CubeTensor<CudaRuntime>>,
     x_shape: &Shape,
+    dx_into: Option<CubeTensor<CudaRuntime>>,
 ) -> (
     Option<CubeTensor<CudaRuntime>>,
     Option<CubeTensor<CudaRuntime>>,
@@ -498,9 +503,23 @@ pub fn linear_backward(
     let dx = w.map(|w| {
         check_dtype("linear backward (dx)", &dy, &w);
         let w = into_contiguous(w);
-        let dx = alloc(x_shape.clone());
+        let accumulate = dx_into.is_some();
+        let dx = match dx_into {
+            Some(acc) => {
+                assert!(
+                    acc.meta.shape() == x_shape && acc.is_contiguous() && acc.dtype == dy.dtype,
+                    "linear backward: accumulator {:?} {:?} does not match x {x_shape:?} {:?}",
+                    acc.meta.shape(),
+                    acc.dtype,
+                    dy.dtype
+                );
+                acc
+            }
+            None => alloc(x_shape.clone()),
+        };
         // dx^T (k x m, column-major) = w^T (k x n, stored as w) · dy^T (n x m, stored as dy).
         calls.push(GemmCall {
+            accumulate,
             trans_a: false,
             trans_b: false,
             m: k,
@@ -518,6 +537,7 @@ pub fn linear_backward(
         let dw = alloc(Shape::from(vec![n, k]));
         // dw^T (k x n, column-major) = x^T (k x m, stored as x) · dy (m x n, stored as dy^T).
         calls.push(GemmCall {
+            accumulate: false,
             trans_a: false,
             trans_b: true,
             m: k,
@@ -548,12 +568,17 @@ impl Backward<CudaCube, 2> for LinearBackward {
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        let [node_x, node_w] = ops.parents;
         let dy = grads.consume::<CudaCube>(&ops.node);
-        let (x_id, w_id, x_shape) = ops.state;
+        let (x_id, w_id, x_shape) = ops.state.clone();
         let x = x_id.map(|id| checkpointer.retrieve_node_output::<CubeTensor<CudaRuntime>>(id));
         let w = w_id.map(|id| checkpointer.retrieve_node_output::<CubeTensor<CudaRuntime>>(id));
-        let (dx, dw) = linear_backward(dy, x, w, &x_shape);
+        // `dx` adds into the input's gradient registered so far (the other projections of a
+        // shared input, whose backward ran first) instead of a separate add.
+        let dx_into = w
+            .as_ref()
+            .and_then(|_| super::take_grad_for_accumulation(&ops, 0, grads, &dy, &x_shape));
+        let [node_x, node_w] = ops.parents;
+        let (dx, dw) = linear_backward(dy, x, w, &x_shape, dx_into);
         if let (Some(node), Some(dx)) = (node_x, dx) {
             grads.register::<CudaCube>(node.id, dx);
         }
