@@ -1,7 +1,9 @@
 //! Checks smp-burn's fused kernels (RMSNorm, SwiGLU, RoPE and the chunked LM-head loss) against
 //! the reference ops, then measures their bandwidth and the loss's memory, on CUDA device 0.
 //!
-//! `fused_check [check] [bench] [mem] [--quick] [--iters N]` (default: all three parts).
+//! `fused_check [check] [bench] [mem] [norm] [--quick] [--iters N]` (default: the first three
+//! parts; `norm` times the RMSNorm backward alone at widths 2048, 4096 and 5120, for sweeps of
+//! `SMP_BURN_NORM_BWD=threads,cubes_per_sm`).
 //!
 //! **check**: for each op, fresh random inputs of several shapes (odd sizes included), run
 //! through `Autodiff<CudaCube>` twice: with every fast path on (the fused op) and with that op's
@@ -821,6 +823,50 @@ fn bench(iters: usize) {
 // mem
 // ------------------------------------------------------------------------------------------
 
+/// The RMSNorm backward alone at the Llama widths (1b: 2048, 7B: 4096, 13B: 5120), plain and
+/// adding into a gradient (fast path `accumulate`), for sweeps of `SMP_BURN_NORM_BWD`.
+fn bench_norm_bwd(iters: usize) {
+    let tokens = 4096usize;
+    let bf = DType::BF16;
+    fused::set_legacy_kernels(false);
+    for hidden in [2048usize, 4096, 5120] {
+        let x = randn([tokens, hidden], 0.0, 1.0).cast(bf);
+        let w = randn([hidden], 1.0, 0.1).cast(bf);
+        let dy = randn([tokens, hidden], 0.0, 1.0).cast(bf);
+        let acc = randn([tokens, hidden], 0.0, 1.0).cast(bf);
+        let (xp, wp, dyp) = (
+            x.into_primitive().tensor(),
+            w.into_primitive().tensor(),
+            dy.into_primitive().tensor(),
+        );
+        let acc = acc.into_primitive().tensor();
+        let (_, inv) = fused::rms_norm_forward(xp.clone(), wp.clone(), EPS);
+        let act = tokens * hidden * 2;
+        for (name, into) in [("rms_norm_bwd", None), ("rms_norm_bwd_acc", Some(acc))] {
+            let ms = time_ms(iters, || {
+                let _ = fused::rms_norm_backward(
+                    xp.clone(),
+                    wp.clone(),
+                    inv.clone(),
+                    dyp.clone(),
+                    true,
+                    into.clone(),
+                );
+            });
+            let reads = if into.is_some() { 4 } else { 3 };
+            bw_line(
+                &format!("{name}_h{hidden}"),
+                "bwd",
+                "-",
+                reads * act + 2 * hidden * 2 + tokens * 4,
+                ms,
+                None,
+                iters,
+            );
+        }
+    }
+}
+
 fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
 }
@@ -895,7 +941,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
-            "check" | "bench" | "mem" => parts.push(a),
+            "check" | "bench" | "mem" | "norm" => parts.push(a),
             "--quick" => quick = true,
             "--iters" => {
                 iters = args
@@ -904,7 +950,9 @@ fn main() {
                     .expect("--iters needs a number")
             }
             other => {
-                eprintln!("unknown argument {other:?}: use check, bench, mem, --quick, --iters N");
+                eprintln!(
+                    "unknown argument {other:?}: use check, bench, mem, norm, --quick, --iters N"
+                );
                 std::process::exit(2);
             }
         }
@@ -928,6 +976,7 @@ fn main() {
                 }
             }
             "bench" => bench(iters),
+            "norm" => bench_norm_bwd(iters),
             "mem" => mem(iters.min(10)),
             _ => unreachable!(),
         }

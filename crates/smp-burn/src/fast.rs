@@ -318,12 +318,10 @@ pub(crate) fn rms_norm<B: Backend, const D: usize>(
     }
     let b = TypeId::of::<B>();
     if b == TypeId::of::<CudaAutodiff>() {
-        let y = fused::rms_norm_autodiff(
-            same(x.clone().reshape([rows, hidden])),
-            same(w.clone()),
-            eps,
-        );
-        Some(same::<_, Tensor<B, 2>>(y).reshape(dims))
+        // In its own shape: a reshape in front would make the reshape, not `x`, the op's
+        // parent, and the gradient sum at `x` (fast path `accumulate`) could not happen.
+        let y = fused::rms_norm_autodiff::<D>(same(x.clone()), same(w.clone()), eps);
+        Some(same(y))
     } else if b == TypeId::of::<CudaCube>() {
         let y = fused::rms_norm_plain(
             same(x.clone().reshape([rows, hidden])),

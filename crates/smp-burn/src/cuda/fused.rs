@@ -880,16 +880,37 @@ fn cubes(n: usize) -> CubeCount {
 /// eight; longer rows (scalar loads of odd sizes) take up to [`ROW_MAX_THREADS`] threads, and
 /// at most 16 vectors each, as [`rms_norm_supports`] guarantees.
 fn row_layout_bwd_v2(row_vectors: usize) -> (usize, usize) {
-    let max = if row_vectors > 8 * NORM_BWD_V2_THREADS {
+    let preferred = norm_bwd_tuning().map_or(NORM_BWD_V2_THREADS, |(threads, _)| threads);
+    let max = if row_vectors > 8 * preferred {
         ROW_MAX_THREADS
     } else {
-        NORM_BWD_V2_THREADS
+        preferred
     };
     let threads = row_vectors
         .div_ceil(row_vectors.div_ceil(max))
         .next_multiple_of(32)
         .clamp(32, max);
     (threads, row_vectors.div_ceil(threads))
+}
+
+/// `SMP_BURN_NORM_BWD=threads,cubes_per_sm` (for tuning sweeps, read once): the largest cube of
+/// the version-2 RMSNorm backward (a multiple of 32 up to 1024; rows longer than eight vectors
+/// per thread still take more) and the cubes per SM its grid is sized for. Unset or malformed:
+/// [`NORM_BWD_V2_THREADS`] and two cubes of 512 threads per SM.
+fn norm_bwd_tuning() -> Option<(usize, usize)> {
+    static TUNING: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    *TUNING.get_or_init(|| {
+        let v = std::env::var("SMP_BURN_NORM_BWD").ok()?;
+        let (t, c) = v.split_once(',')?;
+        let threads = t
+            .trim()
+            .parse::<usize>()
+            .ok()?
+            .next_multiple_of(32)
+            .clamp(32, 1024);
+        let cubes = c.trim().parse::<usize>().ok()?.clamp(1, 64);
+        Some((threads, cubes))
+    })
 }
 
 /// The device's SM count, or [`DEFAULT_SMS`].
@@ -1077,7 +1098,8 @@ pub fn rms_norm_backward<R: CubeRuntime>(
     let target_blocks = if legacy {
         NORM_BWD_CUBES
     } else {
-        sm_count(&client) * (1024 / threads).max(2)
+        let per_sm = norm_bwd_tuning().map_or((1024 / threads).max(2), |(_, cubes)| cubes);
+        sm_count(&client) * per_sm
     };
     let rows_per_cube = rows.div_ceil(target_blocks);
     let blocks = rows.div_ceil(rows_per_cube);
@@ -1511,9 +1533,17 @@ fn wrap<const D: usize>(t: Cube) -> BurnTensor<CudaCube, D> {
 #[derive(Debug)]
 struct RmsNormBackward;
 
+/// `t` as `[rows, hidden]` (a metadata change for the contiguous tensors the model passes).
+fn as_rows(t: Cube) -> Cube {
+    let dims = t.meta.shape().as_slice().to_vec();
+    let hidden = *dims.last().expect("a tensor with a last dimension");
+    let rows = dims[..dims.len() - 1].iter().product::<usize>();
+    burn_cubecl::ops::reshape(t, Shape::new([rows, hidden]))
+}
+
 impl Backward<CudaCube, 2> for RmsNormBackward {
-    /// x, weight, per-row inverse rms (f32).
-    type State = (Cube, Cube, Cube);
+    /// x (as `[rows, hidden]`), weight, per-row inverse rms (f32), x's own shape.
+    type State = (Cube, Cube, Cube, Shape);
 
     fn backward(
         self,
@@ -1521,20 +1551,21 @@ impl Backward<CudaCube, 2> for RmsNormBackward {
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        let dy = grads.consume::<CudaCube>(&ops.node);
+        let dy = as_rows(grads.consume::<CudaCube>(&ops.node));
         // `dx` adds into the residual stream's gradient registered so far (the skip
-        // connection's, whose add ran its backward first) instead of a separate add.
+        // connection's, whose add ran its backward first) instead of a separate add. The op
+        // takes `x` in its own shape so that this parent is the residual stream itself, not a
+        // reshape of it.
         let dx_into = if legacy_kernels() {
             None
         } else {
-            let shape = ops.state.0.meta.shape().clone();
-            super::take_grad_for_accumulation(&ops, 0, grads, &dy, &shape)
+            super::take_grad_for_accumulation(&ops, 0, grads, &dy, &ops.state.3).map(as_rows)
         };
         let [node_x, node_w] = ops.parents;
-        let (x, w, inv_rms) = ops.state;
+        let (x, w, inv_rms, x_shape) = ops.state;
         let (dx, dw) = rms_norm_backward(x, w, inv_rms, dy, node_w.is_some(), dx_into);
         if let Some(node) = node_x {
-            grads.register::<CudaCube>(node.id, dx);
+            grads.register::<CudaCube>(node.id, burn_cubecl::ops::reshape(dx, x_shape));
         }
         if let (Some(node), Some(dw)) = (node_w, dw) {
             grads.register::<CudaCube>(node.id, dw);
@@ -1542,25 +1573,31 @@ impl Backward<CudaCube, 2> for RmsNormBackward {
     }
 }
 
-/// RMSNorm of `x: [rows, hidden]` through the fused kernels on the autodiff CUDA backend;
-/// differentiable in `x` and `weight`. Saves `x` and the f32 inverse rms per row.
-pub fn rms_norm_autodiff(
-    x: BurnTensor<CudaAutodiff, 2>,
+/// RMSNorm over the last dimension of `x` through the fused kernels on the autodiff CUDA
+/// backend; differentiable in `x` and `weight`. Saves `x` and the f32 inverse rms per row.
+pub fn rms_norm_autodiff<const D: usize>(
+    x: BurnTensor<CudaAutodiff, D>,
     weight: BurnTensor<CudaAutodiff, 1>,
     eps: f64,
-) -> BurnTensor<CudaAutodiff, 2> {
+) -> BurnTensor<CudaAutodiff, D> {
     let x = x.into_primitive().tensor();
     let w = weight.into_primitive().tensor();
+    let shape = x.primitive.meta.shape().clone();
+    let rows = as_rows(x.primitive.clone());
     let out = match RmsNormBackward
         .prepare::<NoCheckpointing>([x.node.clone(), w.node.clone()])
         .compute_bound()
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let (y, inv_rms) = rms_norm_forward(x.primitive.clone(), w.primitive.clone(), eps);
-            prep.finish((x.primitive, w.primitive, inv_rms), y)
+            let (y, inv_rms) = rms_norm_forward(rows.clone(), w.primitive.clone(), eps);
+            let y = burn_cubecl::ops::reshape(y, shape.clone());
+            prep.finish((rows, w.primitive, inv_rms, shape), y)
         }
-        OpsKind::UnTracked(prep) => prep.finish(rms_norm_forward(x.primitive, w.primitive, eps).0),
+        OpsKind::UnTracked(prep) => {
+            let (y, _) = rms_norm_forward(rows, w.primitive, eps);
+            prep.finish(burn_cubecl::ops::reshape(y, shape))
+        }
     };
     BurnTensor::from_primitive(TensorPrimitive::Float(out))
 }
