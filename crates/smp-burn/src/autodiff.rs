@@ -76,19 +76,23 @@ pub fn backward_from<B: AutodiffBackend, const D: usize>(
     output: Tensor<B, D>,
     grad: Tensor<B::InnerBackend, D>,
 ) -> B::Gradients {
+    /// The seeded backward on `Autodiff<I>`, or the inputs back when `B` is another backend.
+    /// Takes `grad` by value: the seed must be its only holder, so that the first op whose
+    /// gradient meets it (a residual add's other branch) may add into it in place.
+    #[allow(clippy::type_complexity)]
     fn on<B: AutodiffBackend, I: Backend, const D: usize>(
-        output: &Tensor<B, D>,
-        grad: &Tensor<B::InnerBackend, D>,
-    ) -> Option<B::Gradients> {
-        (TypeId::of::<B>() == TypeId::of::<Autodiff<I>>()).then(|| {
-            let grads: Gradients =
-                seeded::<I, D>(same(output.clone()), same(grad.clone())).backward();
-            same(grads)
-        })
+        output: Tensor<B, D>,
+        grad: Tensor<B::InnerBackend, D>,
+    ) -> Result<B::Gradients, (Tensor<B, D>, Tensor<B::InnerBackend, D>)> {
+        if TypeId::of::<B>() != TypeId::of::<Autodiff<I>>() {
+            return Err((output, grad));
+        }
+        let grads: Gradients = seeded::<I, D>(same(output), same(grad)).backward();
+        Ok(same(grads))
     }
-    on::<B, CudaCube, D>(&output, &grad)
-        .or_else(|| on::<B, NdArray<f32>, D>(&output, &grad))
-        .unwrap_or_else(|| (output * Tensor::from_inner(grad)).sum().backward())
+    on::<B, CudaCube, D>(output, grad)
+        .or_else(|(output, grad)| on::<B, NdArray<f32>, D>(output, grad))
+        .unwrap_or_else(|(output, grad)| (output * Tensor::from_inner(grad)).sum().backward())
 }
 
 #[cfg(test)]
