@@ -689,31 +689,7 @@ fn bench(iters: usize) {
             iters,
         );
     }
-    // Adding into the residual stream's gradient (one more read of a row per row).
-    fused::set_legacy_kernels(false);
-    let acc = randn([tokens, hidden], 0.0, 1.0)
-        .cast(bf)
-        .into_primitive()
-        .tensor();
-    let bwd = time_ms(iters, || {
-        let _ = fused::rms_norm_backward(
-            xp.clone(),
-            wp.clone(),
-            inv.clone(),
-            dyp.clone(),
-            true,
-            Some(acc.clone()),
-        );
-    });
-    bw_line(
-        "rms_norm_acc",
-        "bwd",
-        "-",
-        4 * act + 2 * hidden * e + tokens * 4,
-        bwd,
-        None,
-        iters,
-    );
+    // Adding into the residual stream's gradient: `fused_check norm`.
     fused::set_legacy_kernels(initial);
     let g = randn([tokens, hidden], 0.0, 1.0).cast(bf);
     let leaf = |t: &Tensor<G, 2>| Tensor::<Ad, 2>::from_inner(t.clone()).require_grad();

@@ -680,8 +680,10 @@ mod tests {
         assert_eq!(FastPaths::parse("all").unwrap(), FastPaths::ALL);
         assert_eq!(FastPaths::parse("none").unwrap(), FastPaths::NONE);
         assert_eq!(
-            FastPaths::parse("gemm, attention,norm,rope,swiglu,loss,adamw,flat,xent,embed")
-                .unwrap(),
+            FastPaths::parse(
+                "gemm, attention,norm,rope,swiglu,loss,adamw,flat,xent,embed,accumulate"
+            )
+            .unwrap(),
             FastPaths::ALL
         );
         let only_gemm = FastPaths::parse("gemm").unwrap();
