@@ -642,38 +642,6 @@ fn check_pack() -> bool {
     ok
 }
 
-/// Packing a 1.2B-model layer's bf16 gradients (its seven matrices and two norm weights, as
-/// one unit on one GPU packs them) into its bf16 flat buffer with the sums of squares: read and
-/// write 2 bytes per element.
-fn bench_pack() {
-    let dev = device();
-    let (h, i) = (2048usize, 5632usize);
-    let lens = [h * h, h * h, h * h, h * h, i * h, i * h, h * i, h, h];
-    let total: usize = lens.iter().sum();
-    let pieces: Vec<Tensor<B, 1>> = lens
-        .iter()
-        .map(|&n| {
-            Tensor::<B, 1>::random([n], Distribution::Normal(0.0, 1.0), &dev).cast(DType::BF16)
-        })
-        .collect();
-    let prims = || -> Vec<_> {
-        pieces
-            .iter()
-            .map(|p| p.clone().into_primitive().tensor())
-            .collect()
-    };
-    let fused = time(20, || {
-        let _ = smp_burn::cuda::flat::pack_with_sq_sums(prims(), total, DType::BF16);
-    });
-    println!(
-        "pack with sums of squares, {} bf16 pieces, {total} elements: {:.3} ms ({:.0} GB/s, 4 B \
-         per element)",
-        lens.len(),
-        fused * 1e3,
-        4.0 * total as f64 / fused / 1e9
-    );
-}
-
 /// The gradient-norm reduction against Burn's `square().sum()` on a 1.2B model's layer shard
 /// (51M elements), the size the trainer reduces once per unit and step.
 fn bench_sq_sum() {
@@ -836,7 +804,6 @@ fn main() {
                 ok &= check_sq_sum();
                 ok &= check_pack();
                 bench_adamw();
-                bench_pack();
                 bench_sq_sum();
             }
             "attention" => ok &= check_attention(),

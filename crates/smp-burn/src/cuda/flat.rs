@@ -24,8 +24,6 @@ use super::fused::cube_sum;
 type Cube = CubeTensor<CudaRuntime>;
 
 const THREADS: usize = 256;
-/// Vectors each thread of [`cast_into_sq_kernel`] moves.
-const SQ_VECTORS_PER_THREAD: usize = 4;
 
 /// `dst[i] = O(src[i])` over `len` vectors of `N` elements.
 #[cube(launch_unchecked)]
@@ -43,10 +41,7 @@ fn cast_into_kernel<F: Float, O: Float, N: Size>(
 
 /// As [`cast_into_kernel`], and cube `c` writes the sum of the squares of the values it stored
 /// to `partials[first + c]`: the gradient norm's share of this piece, without reading the
-/// packed buffer again. Each thread moves [`SQ_VECTORS_PER_THREAD`] vectors (a cube's are
-/// contiguous, thread `t` takes `t, t + THREADS, ...`), so that the cube-wide sum and its
-/// barrier are paid once per 16 KB of bf16, not per 4 KB (2.5 TB/s on an H200 with one vector
-/// per thread).
+/// packed buffer again.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn cast_into_sq_kernel<F: Float, O: Float, N: Size>(
@@ -58,19 +53,15 @@ fn cast_into_sq_kernel<F: Float, O: Float, N: Size>(
     #[comptime] nv: usize,
     #[define(F, O)] _dtypes: [StorageType; 2],
 ) {
-    let base = CUBE_POS * comptime!(THREADS * SQ_VECTORS_PER_THREAD) + UNIT_POS as usize;
+    let i = ABSOLUTE_POS;
     let mut sq = f32::new(0.0);
-    #[unroll]
-    for j in 0..SQ_VECTORS_PER_THREAD {
-        let i = base + j * THREADS;
-        if i < len as usize {
-            let stored = Vector::<O, N>::cast_from(src[i]);
-            dst[i] = stored;
-            let v = Vector::<f32, N>::cast_from(stored);
-            #[unroll]
-            for k in 0..nv {
-                sq += v[k] * v[k];
-            }
+    if i < len as usize {
+        let stored = Vector::<O, N>::cast_from(src[i]);
+        dst[i] = stored;
+        let v = Vector::<f32, N>::cast_from(stored);
+        #[unroll]
+        for k in 0..nv {
+            sq += v[k] * v[k];
         }
     }
     let mut scratch = SharedMemory::<f32>::new(comptime!(THREADS / 32));
@@ -221,12 +212,7 @@ fn pack_impl(
     for piece in &pieces {
         let n = piece.meta.num_elements();
         let nv = width(n, offset);
-        let per_cube = if with_sq {
-            THREADS * SQ_VECTORS_PER_THREAD
-        } else {
-            THREADS
-        };
-        let cubes = (n / nv).div_ceil(per_cube);
+        let cubes = (n / nv).div_ceil(THREADS);
         shapes.push((nv, n / nv));
         ranges.push(slots..slots + cubes);
         slots += cubes;
