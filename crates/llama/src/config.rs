@@ -190,15 +190,19 @@ impl LlamaConfig {
         // attention output, the norms' inputs, the MLP's gate/up outputs, split along the
         // sequence with tensor parallelism. Counting every one gives about 10 h + 4 i values per
         // token; the pool measured half of that (7B: 0.3 GiB per layer at 4,096 tokens; several
-        // of those tensors are views of one buffer or freed early), so 5 h + 2 i.
-        let layer_acts = tokens * (5 * h + 2 * i) * 2 / tp.max(1) as u64;
+        // of those tensors are views of one buffer or freed early), so 5 h + 2 i. With tensor
+        // parallelism the inputs of q/k/v and of gate/up are the sequence gathered from every
+        // rank, `h` values per token of the full sequence each (7B, tp 2, S=32,768 measured
+        // 129.5 GiB with no layer recomputed).
+        let tp = tp.max(1) as u64;
+        let gathered = if tp > 1 { 2 * h } else { 0 };
+        let layer_acts = tokens * ((5 * h + 2 * i) / tp + gathered) * 2;
         let layers = self.num_hidden_layers as u64;
         let recomputed = (recomputed_layers as u64).min(layers);
         // A recomputed layer keeps its input. The peak is at the end of the forward (every kept
         // layer's graph) or, when all are recomputed, in the backward (one layer's graph); the
         // kept layers are the last ones, so their graphs are gone before any recomputation.
-        let acts = recomputed * tokens * h * 2 / tp.max(1) as u64
-            + (layers - recomputed).max(1) * layer_acts;
+        let acts = recomputed * tokens * h * 2 / tp + (layers - recomputed).max(1) * layer_acts;
         // Allocator slack and the CUDA context.
         (state + transient + acts) * 11 / 10 + (1 << 30)
     }
@@ -281,5 +285,11 @@ mod tests {
         assert!(gib(&b7, 2, 0) < gib(&b7, 1, 0) - 40.0);
         let tp2 = b7.training_memory_estimate(4096, 1, 2, 0) as f64 / GIB;
         assert!(tp2 < gib(&b7, 1, 0) - 40.0);
+        // Tensor parallelism 2 at S=32,768 (calls BD and CG): 73.7 GiB with every layer
+        // recomputed, 129.5 GiB with none, which the automatic choice (none) kept.
+        let tp_long = |n| b7.training_memory_estimate(32768, 1, 2, n) as f64 / GIB;
+        assert!(near(tp_long(32), 73.7), "{}", tp_long(32));
+        assert!(near(tp_long(0), 129.5), "{}", tp_long(0));
+        assert_eq!(b7.layers_to_recompute(32768, 1, 2, h200), 0);
     }
 }
