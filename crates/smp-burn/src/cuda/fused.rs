@@ -896,7 +896,8 @@ fn row_layout_bwd_v2(row_vectors: usize) -> (usize, usize) {
 /// `SMP_BURN_NORM_BWD=threads,cubes_per_sm` (for tuning sweeps, read once): the largest cube of
 /// the version-2 RMSNorm backward (a multiple of 32 up to 1024; rows longer than eight vectors
 /// per thread still take more) and the cubes per SM its grid is sized for. Unset or malformed:
-/// [`NORM_BWD_V2_THREADS`] and two cubes of 512 threads per SM.
+/// [`NORM_BWD_V2_THREADS`] and `1024 / threads` (at least 2) cubes per SM, which no other
+/// setting beat by more than noise in a sweep on an H200 (docs/performance.md, call CD).
 fn norm_bwd_tuning() -> Option<(usize, usize)> {
     static TUNING: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
     *TUNING.get_or_init(|| {

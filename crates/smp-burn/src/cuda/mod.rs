@@ -709,15 +709,16 @@ type AutodiffCudaTensor =
     <burn::backend::Autodiff<CudaCube> as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive;
 
 /// The gradient already registered for parent `parent` of an op, taken out of `grads` as a
-/// contiguous buffer of `shape` and `dtype` that the op may add its own contribution into (and
-/// then register, which finds the slot empty). Without this, Burn registers the contribution as
-/// a new tensor and adds the two in a separate pass: five full-size adds per Llama layer in the
-/// backward (the inputs of q/k/v and of gate/up, and the residual stream at both norms).
+/// contiguous buffer of `shape` and `like`'s dtype that the op may add its own contribution
+/// into (and then register, which finds the slot empty). Without this, Burn registers the
+/// contribution as a new tensor and adds the two in a separate pass: five full-size adds per
+/// Llama layer in the backward (the inputs of q/k/v and of gate/up, and the residual stream at
+/// both norms).
 ///
 /// `None` when the `accumulate` fast path is off, when that parent takes no gradient or none is
 /// registered yet (the op writes a fresh one), and when the registered one has another shape
-/// or dtype (left in place; the op registers as usual). A buffer that another tensor still holds is copied first, so the
-/// result never depends on whether the add could run in place.
+/// or dtype (left in place; the op registers as usual). A buffer that another tensor still
+/// holds is copied first, so the result never depends on whether the add could run in place.
 pub(crate) fn take_grad_for_accumulation<S, const N: usize>(
     ops: &burn::backend::autodiff::ops::Ops<S, N>,
     parent: usize,
