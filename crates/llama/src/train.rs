@@ -603,6 +603,9 @@ pub fn train_rank<B: AutodiffBackend>(
             }
             let tokens_per_sec = tokens_per_step as f64 / dt;
             let tflops = flops_per_token * tokens_per_sec / world as f64 / 1e12;
+            let mfu = peak_flops.map(|p| tflops * 1e12 / p);
+            // Read once: the metrics and the log line report the same figure.
+            let mem_bytes = memory_in_use();
             if let Some(m) = metrics.as_mut() {
                 m.log(&StepMetrics {
                     step: reported,
@@ -612,8 +615,8 @@ pub fn train_rank<B: AutodiffBackend>(
                     grad_norm,
                     tokens_per_sec,
                     tflops_per_device: tflops,
-                    mfu: peak_flops.map(|p| tflops * 1e12 / p).unwrap_or(f64::NAN),
-                    peak_mem_bytes: memory_in_use(),
+                    mfu: mfu.unwrap_or(f64::NAN),
+                    peak_mem_bytes: mem_bytes,
                     comm_wait_ms: Some(comm.wait.as_secs_f64() * 1e3),
                     comm_device_ms: comm.device.map(|d| d.as_secs_f64() * 1e3),
                     host_issue_ms: Some(issued * 1e3),
@@ -643,15 +646,14 @@ pub fn train_rank<B: AutodiffBackend>(
                         String::new()
                     },
                     tflops * 1e3,
-                    peak_flops
-                        .map(|p| format!(" | MFU {:.1}%", 100.0 * tflops * 1e12 / p))
+                    mfu.map(|m| format!(" | MFU {:.1}%", 100.0 * m))
                         .unwrap_or_default(),
                     grad_norm,
                     comm.wait.as_secs_f64() * 1e3,
                     comm.device
                         .map(|d| format!(" (NCCL device time {:.1} ms)", d.as_secs_f64() * 1e3))
                         .unwrap_or_default(),
-                    memory_in_use()
+                    mem_bytes
                         .map(|b| format!(" | mem {:.1} GiB", b as f64 / (1u64 << 30) as f64))
                         .unwrap_or_default(),
                 );
