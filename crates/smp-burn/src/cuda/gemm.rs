@@ -569,15 +569,16 @@ impl Backward<CudaCube, 2> for LinearBackward {
         checkpointer: &mut Checkpointer,
     ) {
         let dy = grads.consume::<CudaCube>(&ops.node);
-        let (x_id, w_id, x_shape) = ops.state.clone();
+        let (x_id, w_id) = (ops.state.0, ops.state.1);
         let x = x_id.map(|id| checkpointer.retrieve_node_output::<CubeTensor<CudaRuntime>>(id));
         let w = w_id.map(|id| checkpointer.retrieve_node_output::<CubeTensor<CudaRuntime>>(id));
         // `dx` adds into the input's gradient registered so far (the other projections of a
         // shared input, whose backward ran first) instead of a separate add.
         let dx_into = w
             .as_ref()
-            .and_then(|_| super::take_grad_for_accumulation(&ops, 0, grads, &dy, &x_shape));
+            .and_then(|_| super::take_grad_for_accumulation(&ops, 0, grads, &dy, &ops.state.2));
         let [node_x, node_w] = ops.parents;
+        let x_shape = ops.state.2;
         let (dx, dw) = linear_backward(dy, x, w, &x_shape, dx_into);
         if let (Some(node), Some(dx)) = (node_x, dx) {
             grads.register::<CudaCube>(node.id, dx);
