@@ -12,8 +12,10 @@
 //! reference that is zero up to rounding, e.g. dQ and dK at S = 1).
 //!
 //! Bench: causal, B=1, 32 q and 32 kv heads, hd 128 (`--head-dim 64`: the 1b preset's), S = 4096
-//! and 16384 (`--lens 4096,8192`: others); forward and backward
-//! TFLOP/s (forward 4*B*H*S*S*D/2, backward 2.5x that), timed between device syncs.
+//! and 16384 (`--lens 4096,8192`: others; `--batch N`: another batch, `--batch micro`:
+//! `torch_micro.py`'s, 8 at S=4096 and 2 at 16384); forward, backward and fwd+bwd TFLOP/s
+//! (forward 4*B*H*S*S*D/2, backward 2.5x that; fwd+bwd is `torch_micro.py`'s `sdpa_fwd_bwd`),
+//! timed between device syncs.
 //!
 //! The shapes include S = 1, 65, 77, 129, 200, 300, 333, 1000, 1024, GQA (4 q heads on 2 or 1
 //! kv heads) and MHA, hd 64 and 128, and a "sharp" case with q scaled by 20 so that row maxima
@@ -36,13 +38,13 @@
 //!
 //! Flags: `--quick` (fewer shapes, S=4096 only), `--no-bench`, `--no-check`,
 //! `--variant plain|cmma|mma` (only that one), `--mma-tiling 4x1|8x1|4x2|8x2[-cp]|all` (default
-//! all), `--mma-bwd-tiling {4,8}x{32,64}-{atomic,split}[-pf|-cp][-vd]|all` (default all; the
+//! all; or a comma-separated list), `--mma-bwd-tiling {4,8}x{32,64}-{atomic,split}[-pf|-cp][-vd]|all` (default all; the
 //! names `MmaBwdTiling::ALL` lists, printed by an unknown name), `--iters N` (timed
 //! iterations, default 10), `--head-dim 64|128` and `--lens L1,L2,..` (bench shapes).
 //! Lines starting `RESULT|` are for machines:
 //! `RESULT|check|variant|dtype|shape|tensor|max_abs|rel|ok`,
 //! `RESULT|probe|mma|tensor|max_abs|ok` and
-//! `RESULT|bench|variant|S|fwd_ms|fwd_tflops|bwd_ms|bwd_tflops`.
+//! `RESULT|bench|variant|B<batch>|S|fwd_ms|fwd_tflops|bwd_ms|bwd_tflops|fwd_bwd_tflops`.
 
 use std::time::Instant;
 
@@ -77,6 +79,8 @@ struct Args {
     bench_head_dim: usize,
     /// Sequence lengths of the bench; `None`: 4096 and 16384 (4096 with `--quick`).
     bench_lens: Option<Vec<usize>>,
+    /// Batch of the bench shapes; `None`: `torch_micro.py`'s, `max(1, 32768 / S)`.
+    bench_batch: Option<usize>,
 }
 
 fn parse_args() -> Args {
@@ -90,6 +94,7 @@ fn parse_args() -> Args {
         iters: 10,
         bench_head_dim: 128,
         bench_lens: None,
+        bench_batch: Some(1),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -111,9 +116,14 @@ fn parse_args() -> Args {
                 let name = it.next();
                 a.tilings = match name.as_deref() {
                     Some("all") => MmaTiling::ALL.to_vec(),
-                    Some(t) => vec![MmaTiling::parse(t).unwrap_or_else(|| {
-                        panic!("--mma-tiling takes 4x1, 8x1, 4x2, 8x2 (each optionally -cp) or all, got {t:?}")
-                    })],
+                    Some(list) => list
+                        .split(',')
+                        .map(|t| {
+                            MmaTiling::parse(t).unwrap_or_else(|| {
+                                panic!("--mma-tiling takes 4x1, 8x1, 4x2, 8x2 (each optionally -cp), a comma-separated list of them, or all, got {t:?}")
+                            })
+                        })
+                        .collect(),
                     None => panic!("--mma-tiling needs a value"),
                 }
             }
@@ -121,14 +131,19 @@ fn parse_args() -> Args {
                 let name = it.next();
                 a.bwd_tilings = match name.as_deref() {
                     Some("all") => MmaBwdTiling::ALL.to_vec(),
-                    Some(t) => vec![MmaBwdTiling::parse(t).unwrap_or_else(|| {
-                        let names: Vec<String> =
-                            MmaBwdTiling::ALL.iter().map(|t| t.to_string()).collect();
-                        panic!(
-                            "--mma-bwd-tiling takes one of {} or all, got {t:?}",
-                            names.join(", ")
-                        )
-                    })],
+                    Some(list) => list
+                        .split(',')
+                        .map(|t| {
+                            MmaBwdTiling::parse(t).unwrap_or_else(|| {
+                                let names: Vec<String> =
+                                    MmaBwdTiling::ALL.iter().map(|t| t.to_string()).collect();
+                                panic!(
+                                    "--mma-bwd-tiling takes one or more (comma-separated) of {} or all, got {t:?}",
+                                    names.join(", ")
+                                )
+                            })
+                        })
+                        .collect(),
                     None => panic!("--mma-bwd-tiling needs a value"),
                 }
             }
@@ -151,6 +166,13 @@ fn parse_args() -> Args {
                         .and_then(|s| s.split(',').map(|l| l.parse().ok()).collect())
                         .expect("--lens takes comma-separated lengths, e.g. 4096,16384"),
                 )
+            }
+            "--batch" => {
+                a.bench_batch = match it.next().as_deref() {
+                    Some("micro") => None,
+                    Some(n) => Some(n.parse().expect("--batch takes a number or `micro`")),
+                    None => panic!("--batch takes a number or `micro`"),
+                }
             }
             other => panic!("unknown flag {other}"),
         }
@@ -494,8 +516,14 @@ fn sync(dev: &CudaDevice) {
 }
 
 /// Forward and backward TFLOP/s at one sequence length.
-fn bench_case(dev: &CudaDevice, variant: FlashVariant, s: usize, d: usize, iters: usize) {
-    let (b, h) = (1usize, 32usize);
+/// Times one (batch, sequence length, head dim) shape of `variant`.
+fn bench_case(
+    dev: &CudaDevice,
+    variant: FlashVariant,
+    (b, s, d): (usize, usize, usize),
+    iters: usize,
+) {
+    let h = 32usize;
     let scale = 1.0 / (d as f32).sqrt();
     let rnd = || {
         prim(
@@ -546,17 +574,20 @@ fn bench_case(dev: &CudaDevice, variant: FlashVariant, s: usize, d: usize, iters
     let fwd_flops = 4.0 * (b * h) as f64 * (s as f64) * (s as f64) * d as f64 / 2.0;
     let bwd_flops = 2.5 * fwd_flops;
     let (ft, bt) = (fwd_flops / fwd_s / 1e12, bwd_flops / bwd_s / 1e12);
+    // torch_micro.py's `sdpa_fwd_bwd` figure: 3.5x the forward's FLOPs over both passes.
+    let fbt = (fwd_flops + bwd_flops) / (fwd_s + bwd_s) / 1e12;
     println!(
-        "bench {:26} causal B{b} H{h} D{d} S{s:6}: fwd {:8.3} ms {:7.1} TFLOP/s | bwd ({} kernels) {:8.3} ms {:7.1} TFLOP/s",
+        "bench {:26} causal B{b} H{h} D{d} S{s:6}: fwd {:8.3} ms {:7.1} TFLOP/s | bwd ({} kernels) {:8.3} ms {:7.1} TFLOP/s | fwd+bwd {:7.1} TFLOP/s",
         variant_name(variant, d),
         fwd_s * 1e3,
         ft,
         variant.name(),
         bwd_s * 1e3,
-        bt
+        bt,
+        fbt
     );
     println!(
-        "RESULT|bench|{}|{s}|{:.4}|{ft:.2}|{:.4}|{bt:.2}",
+        "RESULT|bench|{}|B{b}|{s}|{:.4}|{ft:.2}|{:.4}|{bt:.2}|{fbt:.2}",
         variant_name(variant, d),
         fwd_s * 1e3,
         bwd_s * 1e3
@@ -690,7 +721,8 @@ fn main() {
                 } else {
                     args.iters
                 };
-                bench_case(&dev, variant, s, args.bench_head_dim, iters);
+                let batch = args.bench_batch.unwrap_or((32768 / s).max(1));
+                bench_case(&dev, variant, (batch, s, args.bench_head_dim), iters);
             }
         }
     }

@@ -275,7 +275,8 @@ pub enum MmaBwdPipe {
     /// tracked by a cube `mbarrier` (`Barrier::commit_copy_async` + `arrive_and_wait`): one
     /// barrier per block instead of two, no staging registers, the next block's copy in flight
     /// during the current block's products. Both the dK/dV kernel (Q/dO/lse/delta) and the dQ
-    /// kernel (K/V) use it. Only with [`MmaDq::Split`].
+    /// kernel (K/V) use it; with [`MmaDq::Atomic`] there is no dQ kernel, and the fused dQ adds
+    /// a second barrier per block (its `dS^T` tile is shared by the cube's warps).
     Async,
 }
 
@@ -316,7 +317,7 @@ impl MmaBwdTiling {
     /// Every supported backward tiling, for checks and benchmarks: the eight original ones,
     /// then the staging/delta variants (the riskier `cp.async` ones last, so that a failure
     /// there leaves the others' results printed).
-    pub const ALL: [MmaBwdTiling; 15] = [
+    pub const ALL: [MmaBwdTiling; 19] = [
         MmaBwdTiling::new(8, 64, MmaDq::Atomic),
         MmaBwdTiling::new(4, 64, MmaDq::Atomic),
         MmaBwdTiling::new(8, 32, MmaDq::Atomic),
@@ -332,6 +333,10 @@ impl MmaBwdTiling {
         MmaBwdTiling::new(8, 32, MmaDq::Split).with(MmaBwdPipe::Async, true),
         MmaBwdTiling::new(8, 64, MmaDq::Split).with(MmaBwdPipe::Async, true),
         MmaBwdTiling::new(4, 64, MmaDq::Split).with(MmaBwdPipe::Async, true),
+        MmaBwdTiling::new(4, 32, MmaDq::Atomic).with(MmaBwdPipe::Async, true),
+        MmaBwdTiling::new(8, 32, MmaDq::Atomic).with(MmaBwdPipe::Async, true),
+        MmaBwdTiling::new(4, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true),
+        MmaBwdTiling::new(8, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true),
     ];
 
     const fn new(warps: usize, inner: usize, dq: MmaDq) -> Self {
@@ -1800,16 +1805,10 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
     let bk = comptime!(16 * warps);
     let nthreads = comptime!(32 * warps);
     let ldt = comptime!(d + 8);
-    // Pitch of the dS^T tile (elements): 8 mod 16, so stores and ldmatrix rows hit distinct
-    // banks.
-    let ldd = comptime!(bq + 8);
     let q_tiles = comptime!(bq / 8);
     let d_tiles = comptime!(d / 8);
     let k_steps = comptime!(d / 16);
-    // dQ tiles of the fused part: warp w computes query rows 16 (w / wpm) .. + 16, columns
-    // (w % wpm) * cw .. + cw of the block's dQ = dS K.
-    let wpm = comptime!(warps / (bq / 16));
-    let cw = comptime!(d / wpm);
+    // The fused dQ's dS^T tile (`fused_dq_block`): pitch `bq + 8`, in element pairs.
     let dss_len = comptime!(if fused { bk * (bq + 8) / 2 } else { 4 });
     // Registers per thread for one prefetched Q or dO block (1 when not prefetching).
     let pf_regs = comptime!(if prefetch { bq * d / nv / nthreads } else { 1 });
@@ -2009,45 +2008,10 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
             }
 
             if comptime!(fused) {
-                // dS^T to shared memory as it lies (keys by queries), then dQ += dS K for the
-                // whole block, a tile per warp, added to the f32 buffer.
-                store_acc_pairs::<F>(&ds, &mut dss, wrow, r_lo, r_hi, c_lo, q_tiles, ldd);
-                sync_cube();
-                let mq = warp / wpm;
-                let c0 = (warp % wpm) * cw;
-                let mut dq_frags = zero_frags(comptime!(cw / 8));
-                mma_atb_acc::<F, Const<2>, N>(
-                    &dss,
-                    16 * mq,
-                    &ks,
-                    c0,
-                    &mut dq_frags,
-                    lane,
-                    warps,
-                    comptime!(cw / 8),
-                    ldd,
-                    2usize,
-                    ldt,
-                    nv,
+                fused_dq_block::<F, N>(
+                    &ds, &mut dss, &ks, dq_acc, b, h, q0, seq, warp, wrow, lane, r_lo, r_hi, c_lo,
+                    warps, bq, d, ldt, nv,
                 );
-                let dq_base = b * dq_acc.stride(0) + h * dq_acc.stride(1);
-                #[unroll]
-                for hh2 in 0..2usize {
-                    let mut r = r_lo;
-                    if hh2 == 1 {
-                        r = r_hi;
-                    }
-                    let row = q0 + 16 * mq + r;
-                    if row < seq {
-                        let rb = dq_base + row * dq_acc.stride(2) + c0 + c_lo;
-                        #[unroll]
-                        for j in 0..comptime!(cw / 8) {
-                            let pair = dq_frags.index(j)[hh2];
-                            dq_acc[rb + 8 * j].fetch_add(pair[0]);
-                            dq_acc[rb + 8 * j + 1].fetch_add(pair[1]);
-                        }
-                    }
-                }
             }
         }
     }
@@ -2057,8 +2021,81 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
     );
 }
 
-/// dK and dV with `cp.async` double buffering ([`MmaBwdPipe::Async`], [`MmaDq::Split`]
-/// only). The work of [`flash_bwd_dkdv_mma`] without `fused`, but the query blocks (over the
+/// The fused dQ of one (key block, query block) pair ([`MmaDq::Atomic`], FlashAttention-2's
+/// scheme): every warp stores its `dS^T` rows (keys by queries, as they lie in the
+/// accumulators) to `dss`, then after a cube barrier each warp forms one `16 x d / wpm` tile of
+/// the block's `dQ = dS K` (`bq x d`, `wpm = warps / (bq / 16)` warps per 16 query rows) and
+/// adds it to the f32 buffer with atomics. The caller's next barrier must come before `dss` is
+/// written again. Shared by [`flash_bwd_dkdv_mma`] and `flash_bwd_dkdv_mma_cp`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fused_dq_block<F: Float, N: Size>(
+    ds: &Array<f32>,
+    dss: &mut SharedMemory<Vector<F, Const<2>>>,
+    ks: &SharedMemory<Vector<F, N>>,
+    dq_acc: &mut Tensor<Atomic<f32>>,
+    b: usize,
+    h: usize,
+    q0: usize,
+    seq: usize,
+    warp: usize,
+    wrow: usize,
+    lane: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    #[comptime] warps: usize,
+    #[comptime] bq: usize,
+    #[comptime] d: usize,
+    #[comptime] ldt: usize,
+    #[comptime] nv: usize,
+) {
+    // Pitch of the dS^T tile (elements): 8 mod 16, so stores and ldmatrix rows hit distinct
+    // banks.
+    let ldd = comptime!(bq + 8);
+    let wpm = comptime!(warps / (bq / 16));
+    let cw = comptime!(d / wpm);
+    store_acc_pairs::<F>(ds, dss, wrow, r_lo, r_hi, c_lo, comptime!(bq / 8), ldd);
+    sync_cube();
+    let mq = warp / wpm;
+    let c0 = (warp % wpm) * cw;
+    let mut dq_frags = zero_frags(comptime!(cw / 8));
+    mma_atb_acc::<F, Const<2>, N>(
+        dss,
+        16 * mq,
+        ks,
+        c0,
+        &mut dq_frags,
+        lane,
+        warps,
+        comptime!(cw / 8),
+        ldd,
+        2usize,
+        ldt,
+        nv,
+    );
+    let dq_base = b * dq_acc.stride(0) + h * dq_acc.stride(1);
+    #[unroll]
+    for hh in 0..2usize {
+        let mut r = r_lo;
+        if hh == 1 {
+            r = r_hi;
+        }
+        let row = q0 + 16 * mq + r;
+        if row < seq {
+            let rb = dq_base + row * dq_acc.stride(2) + c0 + c_lo;
+            #[unroll]
+            for j in 0..comptime!(cw / 8) {
+                let pair = dq_frags.index(j)[hh];
+                dq_acc[rb + 8 * j].fetch_add(pair[0]);
+                dq_acc[rb + 8 * j + 1].fetch_add(pair[1]);
+            }
+        }
+    }
+}
+
+/// dK and dV with `cp.async` double buffering ([`MmaBwdPipe::Async`]), and with `fused` dQ by
+/// atomics as well ([`MmaDq::Atomic`]). The work of [`flash_bwd_dkdv_mma`], but the query blocks (over the
 /// GQA group's heads, flattened into one loop) go through two halves of the Q, dO, lse and
 /// delta tiles: after the barrier that makes block `i` visible (and that every warp reaches
 /// only once done with block `i - 1`), the copies of block `i + 1` into the other half are
@@ -2074,6 +2111,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
+    dq_acc: &mut Tensor<Atomic<f32>>,
     scale: f32,
     seq_len: u32,
     group: u32,
@@ -2081,6 +2119,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] warps: usize,
     #[comptime] bq: usize,
+    #[comptime] fused: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let bk = comptime!(16 * warps);
@@ -2115,6 +2154,11 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     let mut dos = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * bq * ldt / nv), 128usize);
     let mut lse_s = SharedMemory::<f32>::new(comptime!(2 * bq));
     let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+    // The fused dQ's dS^T tile (`fused_dq_block`): pitch `bq + 8`, in element pairs.
+    let mut dss = SharedMemory::<Vector<F, Const<2>>>::new_aligned(
+        comptime!(if fused { bk * (bq + 8) / 2 } else { 4 }),
+        128usize,
+    );
 
     // K and V stay for the whole cube: a synchronous copy, ordered before the first block's
     // reads by the barrier below.
@@ -2234,6 +2278,36 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 q_tiles,
                 d_tiles,
                 k_steps,
+                ldt,
+                nv,
+            );
+        } else if comptime!(fused) {
+            // Inactive warps contribute zero rows to the block's dS.
+            #[unroll]
+            for i in 0..comptime!(q_tiles * 4) {
+                ds[i] = f32::new(0.0);
+            }
+        }
+        if comptime!(fused) {
+            // The next iteration's barrier orders these reads of `dss` before its rewrite.
+            fused_dq_block::<F, N>(
+                &ds,
+                &mut dss,
+                &ks,
+                dq_acc,
+                b,
+                h_first + it / n_blk,
+                q0,
+                seq,
+                warp,
+                wrow,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                warps,
+                bq,
+                d,
                 ldt,
                 nv,
             );
@@ -2766,10 +2840,6 @@ pub(super) fn launch_backward<R: CubeRuntime>(
         tiling.pipe == MmaBwdPipe::Prefetch || (tiling.pipe == MmaBwdPipe::Async && nv < 2);
     if async_copy {
         assert!(
-            !fused,
-            "flash attention backward (Mma): the cp.async pipeline ({tiling}) needs MmaDq::Split"
-        );
-        assert!(
             mma_async_supported(&client),
             "flash attention backward (Mma): {tiling} needs cp.async and cube barriers (sm_80+)"
         );
@@ -2813,6 +2883,7 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 delta.clone().into_tensor_arg(),
                 dk.clone().into_tensor_arg(),
                 dv.clone().into_tensor_arg(),
+                dq_acc.clone().into_tensor_arg(),
                 scale,
                 seq as u32,
                 group as u32,
@@ -2820,6 +2891,7 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 nv,
                 tiling.warps,
                 tiling.inner,
+                fused,
                 dtype.into(),
             );
         }
@@ -3114,4 +3186,32 @@ pub fn mma_fragment_probe<R: CubeRuntime>(
         );
     }
     (s, o, t, pos)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `SMP_BURN_FLASH_MMA_BWD_TILING` and `flash_check --mma-bwd-tiling` take the printed
+    /// names, so every listed tiling must read back as itself.
+    #[test]
+    fn backward_tiling_names_round_trip() {
+        for tiling in MmaBwdTiling::ALL {
+            assert_eq!(MmaBwdTiling::parse(&tiling.to_string()), Some(tiling));
+        }
+        let fused = MmaBwdTiling::parse("8x64-atomic-cp-vd").expect("listed");
+        assert_eq!(
+            (fused.dq, fused.pipe, fused.wide_delta),
+            (MmaDq::Atomic, MmaBwdPipe::Async, true)
+        );
+        assert_eq!(MmaBwdTiling::parse("8x64-atomic-vd-cp"), None);
+        assert_eq!(MmaBwdTiling::parse("2x64-split"), None);
+    }
+
+    #[test]
+    fn forward_tiling_names_round_trip() {
+        for tiling in MmaTiling::ALL {
+            assert_eq!(MmaTiling::parse(&tiling.to_string()), Some(tiling));
+        }
+    }
 }
