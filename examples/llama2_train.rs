@@ -119,6 +119,15 @@ struct Cli {
     /// `--activation-checkpointing true`; at least the number of layers means all).
     #[arg(long)]
     checkpointed_layers: Option<usize>,
+    /// Keep the input of each recomputed layer in host memory between its forward and its
+    /// backward (SMP's activation offloading). Implies `--activation-checkpointing true`; with
+    /// no `--checkpointed-layers`, every layer then recomputes. Results are unchanged.
+    #[arg(long)]
+    activation_offloading: bool,
+    /// With `--activation-offloading`, how many layers ahead of its backward a layer's input is
+    /// brought back (default 2).
+    #[arg(long)]
+    activation_loading_horizon: Option<usize>,
     /// Compute dtype on CUDA: `bf16` (default; fp32 master weights and optimizer state) or
     /// `f32`.
     #[arg(long)]
@@ -202,6 +211,27 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
         }
         c.parallel.activation_checkpointing = true;
         c.parallel.checkpointed_layers = Some(n);
+    }
+    if cli.activation_offloading {
+        if cli.activation_checkpointing == Some(false) {
+            return Err(
+                "--activation-offloading moves the inputs that recomputed layers keep, \
+                 --activation-checkpointing false turns recomputation off: give one of them"
+                    .into(),
+            );
+        }
+        c.parallel.activation_offloading = true;
+        c.parallel.activation_checkpointing = true;
+    }
+    if let Some(h) = cli.activation_loading_horizon {
+        if !c.parallel.activation_offloading {
+            return Err(format!(
+                "--activation-loading-horizon {h} needs --activation-offloading (or \
+                 activation_offloading = true in the config file)"
+            )
+            .into());
+        }
+        c.parallel.activation_loading_horizon = h;
     }
     if cli.device == "cuda" {
         c.parallel.param_dtype = match cli.param_dtype.as_deref() {
@@ -386,10 +416,13 @@ fn run(cli: Cli) -> Result<(), DynError> {
     };
     let dims = ParallelDims::new(&config.parallel, world)?;
     let mut config = config;
+    // With offloading every layer recomputes unless a flag says otherwise: the memory estimate
+    // behind the automatic choice does not model offloading.
     if cuda
         && cli.activation_checkpointing.is_none()
         && cli.checkpointed_layers.is_none()
         && cli.config.is_none()
+        && !config.parallel.activation_offloading
     {
         let recomputed = layers_to_recompute(&config, &dims)?;
         config.parallel.activation_checkpointing = recomputed > 0;

@@ -115,6 +115,37 @@ fn partial_checkpointing_matches_full() {
     }
 }
 
+/// Activation offloading moves the recomputed layers' inputs to host memory and back; the
+/// values round-trip exactly (`smp_burn::offload`'s unit test), so the results are those without
+/// offloading, whatever the loading horizon (1, 2, and more than the layers), on 1 and 2 ranks,
+/// with accumulation, and when only some layers recompute (the others keep their graph on the
+/// device). Compared within `assert_matches`' tolerance, not bitwise: CPU training here differs
+/// by an ulp or two between identical runs in one process (see `e2e.rs`), offloaded or not.
+#[test]
+fn offloading_changes_nothing_but_memory() {
+    let offloaded = |base: ParallelConfig, horizon: usize| ParallelConfig {
+        activation_offloading: true,
+        activation_loading_horizon: horizon,
+        ..base
+    };
+    let reference = run(1, parallel(0, true), 2).remove(0);
+    for horizon in [1, 2, 5] {
+        let r = run(1, offloaded(parallel(0, true), horizon), 2).remove(0);
+        assert_matches(&reference, &r, &format!("1 rank, horizon {horizon}"));
+    }
+    let partial = ParallelConfig {
+        checkpointed_layers: Some(1),
+        ..parallel(0, true)
+    };
+    for (rank, r) in run(2, offloaded(partial, 1), 2).iter().enumerate() {
+        assert_matches(
+            &reference,
+            r,
+            &format!("2 ranks, first layer recomputed and offloaded, rank {rank}"),
+        );
+    }
+}
+
 #[test]
 fn each_rank_holds_a_quarter_of_the_state() {
     let one = run(1, parallel(0, true), 1).remove(0);

@@ -79,6 +79,9 @@ pub fn train_rank(
         &init,
     )
     .expect("model");
+    model
+        .set_activation_offloading(parallel.offloading_horizon())
+        .expect("offloading horizon");
     let dp_rank = comm.rank() / dims.tensor;
     let dp = world / dims.tensor;
     let local = global_batch / dp;

@@ -88,6 +88,24 @@ fn tp2_matches_one_rank() {
     );
 }
 
+/// TP=2 with activation offloading: each tp rank offloads its chunk of the sequence (the
+/// residual stream between the split regions) and brings it back for the recompute.
+#[test]
+fn tp2_with_offloading_matches_one_rank() {
+    let config = tiny();
+    let reference = run(&config, 1, &parallel(1, 0, true), STEPS, 2).remove(0);
+    let offloaded = ParallelConfig {
+        activation_offloading: true,
+        activation_loading_horizon: 1,
+        ..parallel(2, 0, true)
+    };
+    check(
+        &reference,
+        &run(&config, 2, &offloaded, STEPS, 2),
+        "tp 2, offloading, 2 micro-batches",
+    );
+}
+
 /// TP=2 x FSDP over 2 ranks (4 ranks; FSDP shards each tp rank's layer slice across the 2
 /// ranks with the same tp index), and the same with prefetch.
 #[test]

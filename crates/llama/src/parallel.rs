@@ -29,6 +29,7 @@ use burn::tensor::{
 use smp_burn::fsdp::{
     AdamW, CommStats, FlatParam, FsdpContext, ShardedUnit, StateKind, clip_factor,
 };
+use smp_burn::offload::{HostActivation, offload};
 use smp_burn::tp::{self, TpContext};
 use smp_burn::{ActivationCheckpointing, PendingGather};
 
@@ -93,6 +94,8 @@ pub struct ShardedLlama<B: AutodiffBackend> {
     tp: Option<TpContext<B::InnerBackend>>,
     device: B::Device,
     checkpointing: ActivationCheckpointing,
+    /// With activation offloading, the loading horizon (layers ahead of use); `None`: off.
+    offloading: Option<usize>,
     /// Rotary tables of the last sequence length used. Building them on the host took about
     /// 20 ms per micro-batch at S=4096 (half a million `powf`/`cos`/`sin` calls and a copy to
     /// the device), a sixth of a 1.2B model's step on an H200.
@@ -210,8 +213,29 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
             tp,
             device: device.clone(),
             checkpointing: activation_checkpointing.into(),
+            offloading: None,
             rope_cache: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Turns activation offloading on (`Some(horizon)`, see
+    /// `ParallelConfig::activation_offloading`) or off. The inputs kept by recomputed layers go
+    /// to host memory after the layer's forward and come back `horizon` layers ahead of their
+    /// backward; the results do not change. Layers that keep their graph are not affected.
+    ///
+    /// # Errors
+    /// A horizon of 0.
+    pub fn set_activation_offloading(&mut self, horizon: Option<usize>) -> Result<()> {
+        if horizon == Some(0) {
+            return Err(smp_burn::SmpError::Config(
+                "activation_loading_horizon 0: the backward must load at least the layer it is \
+                 about to run (1 or more)"
+                    .into(),
+            )
+            .into());
+        }
+        self.offloading = horizon;
+        Ok(())
     }
 
     /// The last layer before `layer` that recomputes its forward in the backward (the next one
@@ -349,6 +373,8 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
         // graph.
         enum Saved<B: AutodiffBackend> {
             Input(Tensor<B::InnerBackend, 3>),
+            /// The input of a recomputed layer, in host memory (activation offloading).
+            Offloaded(HostActivation<B::InnerBackend, 3>),
             Graph {
                 module: Box<DecoderLayer<B>>,
                 input: Tensor<B, 3>,
@@ -370,7 +396,16 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                 let y = layer
                     .forward_split(x.clone(), cos.clone(), sin.clone(), &regions)?
                     .detach();
-                saved.push(Saved::Input(x.inner()));
+                if self.offloading.is_some() {
+                    saved.push(Saved::Offloaded(offload(x.inner())?));
+                    // The previous layer's copy was queued a layer's work ago: waiting for it
+                    // now frees its device buffer without draining the queue.
+                    if let Some(Saved::Offloaded(previous)) = saved.iter_mut().rev().nth(1) {
+                        previous.settle()?;
+                    }
+                } else {
+                    saved.push(Saved::Input(x.inner()));
+                }
                 x = y;
             } else {
                 let layer = unit.assemble(full, true);
@@ -414,8 +449,24 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
 
         // Layers in reverse, propagating the gradient of each layer's output to its input.
         for i in (0..n).rev() {
+            if let Some(horizon) = self.offloading {
+                // Bring back the inputs of this layer and the next `horizon - 1` (the top of
+                // `saved`), the nearest first, so that each upload is queued ahead of its use.
+                let keep = saved.len().saturating_sub(horizon);
+                let mut window = saved
+                    .drain(keep..)
+                    .rev()
+                    .map(|entry| match entry {
+                        Saved::Offloaded(host) => host.reload().map(Saved::Input),
+                        other => Ok(other),
+                    })
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                window.reverse();
+                saved.extend(window);
+            }
             let saved = saved.pop().expect("one saved entry per layer");
             let (module, input, output) = match saved {
+                Saved::Offloaded(_) => unreachable!("brought back above"),
                 Saved::Input(input) => {
                     let full = gathered(next_layer.take(), &self.layers[i], ctx)?;
                     if prefetch {

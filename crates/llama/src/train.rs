@@ -378,6 +378,10 @@ pub fn train_rank<B: AutodiffBackend>(
             cfg.parallel.checkpointing(),
             init,
         )
+        .and_then(|mut model| {
+            model.set_activation_offloading(cfg.parallel.offloading_horizon())?;
+            Ok(model)
+        })
     };
     let resume_dir = if cfg.resume {
         latest_checkpoint(&cfg.out_dir)?
@@ -439,7 +443,7 @@ pub fn train_rank<B: AutodiffBackend>(
             "model: {:.2}M parameters ({} layers, hidden {}), {} ranks ({} replica x {} shard x {} tensor), \
              {accum} micro-batch(es) of {} x {} tokens per data-parallel rank per step ({tokens_per_step} tokens/step); \
              {} train / {} validation windows; unigram baseline {unigram:.3} nats; \
-             {} of {} layers recompute their forward in the backward (activation checkpointing)",
+             {} of {} layers recompute their forward in the backward (activation checkpointing){}",
             n as f64 / 1e6,
             prepared.model.num_hidden_layers,
             prepared.model.hidden_size,
@@ -455,6 +459,11 @@ pub fn train_rank<B: AutodiffBackend>(
                 .checkpointing()
                 .recomputed_layers(prepared.model.num_hidden_layers),
             prepared.model.num_hidden_layers,
+            match cfg.parallel.offloading_horizon() {
+                Some(h) =>
+                    format!(", their inputs offloaded to host memory (loading horizon {h} layers)"),
+                None => String::new(),
+            },
         );
     }
     // Every rank reports its own share: with sharding it is 1/shard-degree of the whole.

@@ -48,6 +48,15 @@ pub struct ParallelConfig {
     /// is not run twice, so a model that almost fits trains faster with only some layers
     /// recomputed.
     pub checkpointed_layers: Option<usize>,
+    /// Move the input each recomputed layer keeps to host memory after its forward and bring
+    /// it back shortly before its backward (SMP v2's `sm_activation_offloading`). Needs
+    /// activation checkpointing: only recomputed layers keep a single tensor worth moving.
+    /// Results are bit for bit those without offloading.
+    pub activation_offloading: bool,
+    /// With offloading, how many layers ahead of its use the backward starts bringing a layer's
+    /// input back (SMP's `activation_loading_horizon`; at least 1). Each costs one layer input
+    /// of device memory.
+    pub activation_loading_horizon: usize,
     /// Free gathered parameters after a unit's forward and gather them again for its backward.
     /// Implied by activation checkpointing.
     pub reshard_after_forward: bool,
@@ -70,6 +79,8 @@ impl Default for ParallelConfig {
             reduce_dtype: Precision::F32,
             activation_checkpointing: true,
             checkpointed_layers: None,
+            activation_offloading: false,
+            activation_loading_horizon: 2,
             reshard_after_forward: true,
             prefetch_depth: 1,
         }
@@ -85,6 +96,12 @@ impl ParallelConfig {
             (true, None) => ActivationCheckpointing::All,
             (true, Some(n)) => ActivationCheckpointing::FirstLayers(n),
         }
+    }
+
+    /// The loading horizon when activation offloading is on, `None` when it is off.
+    pub fn offloading_horizon(&self) -> Option<usize> {
+        self.activation_offloading
+            .then_some(self.activation_loading_horizon)
     }
 }
 
@@ -160,6 +177,23 @@ impl ParallelDims {
                 config.prefetch_depth
             )));
         }
+        if config.activation_offloading {
+            if !config.activation_checkpointing || config.checkpointed_layers == Some(0) {
+                return Err(SmpError::Config(format!(
+                    "activation_offloading needs activation checkpointing: it moves the input \
+                     each recomputed layer keeps (activation_checkpointing {}, \
+                     checkpointed_layers {:?})",
+                    config.activation_checkpointing, config.checkpointed_layers
+                )));
+            }
+            if config.activation_loading_horizon == 0 {
+                return Err(SmpError::Config(
+                    "activation_loading_horizon 0: the backward must load at least the layer it \
+                     is about to run (1 or more)"
+                        .into(),
+                ));
+            }
+        }
         let dp = world / tp;
         let shard = match config.hybrid_shard_degree {
             0 => dp,
@@ -219,6 +253,33 @@ mod tests {
         assert_eq!((d.replicate, d.shard, d.tensor), (4, 2, 1));
         let d = ParallelDims::new(&cfg(2, 2), 8).unwrap();
         assert_eq!((d.replicate, d.shard, d.tensor), (2, 2, 2));
+    }
+
+    #[test]
+    fn offloading_needs_checkpointing_and_a_horizon() {
+        let off = |checkpointing: bool, layers: Option<usize>, horizon: usize| ParallelConfig {
+            activation_checkpointing: checkpointing,
+            checkpointed_layers: layers,
+            activation_offloading: true,
+            activation_loading_horizon: horizon,
+            ..Default::default()
+        };
+        assert!(ParallelDims::new(&off(true, None, 2), 2).is_ok());
+        assert!(ParallelDims::new(&off(true, Some(3), 1), 2).is_ok());
+        assert_eq!(off(true, None, 3).offloading_horizon(), Some(3));
+        assert_eq!(ParallelConfig::default().offloading_horizon(), None);
+        let e = ParallelDims::new(&off(false, None, 2), 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("activation_checkpointing false"), "{e}");
+        let e = ParallelDims::new(&off(true, Some(0), 2), 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("checkpointed_layers Some(0)"), "{e}");
+        let e = ParallelDims::new(&off(true, None, 0), 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("activation_loading_horizon 0"), "{e}");
     }
 
     #[test]

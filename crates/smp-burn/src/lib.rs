@@ -7,7 +7,8 @@
 //! the tensor-parallel group), [`init`] (counter-based initialization so each rank builds only
 //! its shard),
 //! [`ops`] (reference transformer ops every fused kernel must match), [`readback`] (device values
-//! read later without draining the GPU's queue), [`fast`] (the switchable
+//! read later without draining the GPU's queue), [`offload`] (activations kept in host memory
+//! between forward and backward), [`fast`] (the switchable
 //! dispatch from those ops to cuBLAS and our kernels on CUDA) and [`cuda`] (the bridge to
 //! Burn's CUDA runtime for NCCL and cuBLAS).
 
@@ -19,6 +20,7 @@ pub mod error;
 pub mod fast;
 pub mod fsdp;
 pub mod init;
+pub mod offload;
 pub mod ops;
 pub mod readback;
 pub mod tp;

@@ -27,8 +27,38 @@ use cubecl::stream_id::StreamId;
 use crate::cuda::CudaCube;
 use crate::error::SmpError;
 
-type BytesFuture =
+/// A queued device-to-host copy: waiting for it gives the bytes (one chunk per descriptor).
+pub(crate) type BytesFuture =
     Pin<Box<dyn Future<Output = Result<Vec<cubecl::bytes::Bytes>, ServerError>> + Send>>;
+
+/// Queues a copy of the first `bytes` bytes of a contiguous CUDA tensor's buffer to pinned host
+/// memory, on Burn's stream behind the work that produces it, and returns at once. What
+/// `ComputeClient::read_async` does, minus its future's borrow of the client: the server task
+/// queues the copy and records a fence now; the returned future only waits for the fence (and
+/// holds the device buffer until then).
+pub(crate) fn queue_cuda_read(
+    prim: burn_cubecl::tensor::CubeTensor<CudaRuntime>,
+    bytes: usize,
+) -> Result<BytesFuture, SmpError> {
+    let stream = StreamId::current();
+    let desc = CopyDescriptor::new(prim.handle.clone().binding(), [bytes].into(), [1].into(), 1);
+    let server = DeviceHandle::<CudaServer>::new(prim.device.to_id());
+    server
+        .submit_blocking(move |server| server.read(vec![desc], stream))
+        .map_err(|e| SmpError::Cuda(format!("reaching CubeCL's device thread: {e:?}")))
+}
+
+/// Waits for a copy queued by [`queue_cuda_read`]; `what` names it in the error.
+pub(crate) fn wait_cuda_read(
+    fut: BytesFuture,
+    what: &str,
+) -> Result<cubecl::bytes::Bytes, SmpError> {
+    let mut chunks =
+        cubecl::reader::read_sync(fut).map_err(|e| SmpError::Cuda(format!("{what}: {e:?}")))?;
+    chunks
+        .pop()
+        .ok_or_else(|| SmpError::Cuda(format!("{what}: the copy returned no data")))
+}
 
 /// A 1-D device tensor's values on their way to the host (f32).
 pub struct PendingRead {
@@ -67,22 +97,8 @@ pub fn read_later<B: Backend>(t: Tensor<B, 1>) -> Result<PendingRead, SmpError> 
         let t: Tensor<CudaCube, 1> = crate::fast::same(t);
         let prim = into_contiguous(t.into_primitive().tensor());
         let len = prim.meta.num_elements();
-        // What `ComputeClient::read_async` does, minus its future's borrow of the client: the
-        // server task queues the copy and records a fence at once; the returned future only
-        // waits for the fence.
-        let stream = StreamId::current();
-        let desc = CopyDescriptor::new(
-            prim.handle.clone().binding(),
-            [len * 4].into(),
-            [1].into(),
-            1,
-        );
-        let server = DeviceHandle::<CudaServer>::new(prim.device.to_id());
-        let fut = server
-            .submit_blocking(move |server| server.read(vec![desc], stream))
-            .map_err(|e| SmpError::Cuda(format!("reaching CubeCL's device thread: {e:?}")))?;
         return Ok(PendingRead {
-            inner: Inner::Cuda(fut, len),
+            inner: Inner::Cuda(queue_cuda_read(prim, len * 4)?, len),
         });
     }
     let read = move || {
@@ -105,11 +121,9 @@ impl PendingRead {
         match self.inner {
             Inner::Deferred(read) => Ok(read()),
             Inner::Cuda(fut, len) => {
-                let chunks = cubecl::reader::read_sync(fut)
-                    .map_err(|e| SmpError::Cuda(format!("reading a value back: {e:?}")))?;
-                Ok(chunks
-                    .iter()
-                    .flat_map(|b| b.chunks_exact(4))
+                let bytes = wait_cuda_read(fut, "reading a value back")?;
+                Ok(bytes
+                    .chunks_exact(4)
                     .map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]]))
                     .take(len)
                     .collect())
