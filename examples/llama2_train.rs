@@ -120,8 +120,9 @@ struct Cli {
     #[arg(long)]
     checkpointed_layers: Option<usize>,
     /// Keep the input of each recomputed layer in host memory between its forward and its
-    /// backward (SMP's activation offloading). Implies `--activation-checkpointing true`; with
-    /// no `--checkpointed-layers`, every layer then recomputes. Results are unchanged.
+    /// backward (SMP's activation offloading). Implies `--activation-checkpointing true`. On
+    /// CUDA without `--checkpointed-layers`, the layers to recompute are chosen with the
+    /// offloaded inputs left out of the memory estimate. Results are unchanged.
     #[arg(long)]
     activation_offloading: bool,
     /// With `--activation-offloading`, how many layers ahead of its backward a layer's input is
@@ -253,8 +254,9 @@ fn layers_to_recompute(config: &TrainConfig, dims: &ParallelDims) -> Result<usiz
     let Some(have) = smp_burn::cuda::cuda_device_memory(0) else {
         return Ok(layers);
     };
-    let recomputed = model.layers_to_recompute(tokens, dims.shard, dims.tensor, have);
-    let need = |n| model.training_memory_estimate(tokens, dims.shard, dims.tensor, n);
+    let horizon = config.parallel.offloading_horizon();
+    let recomputed = model.layers_to_recompute(tokens, dims.shard, dims.tensor, horizon, have);
+    let need = |n| model.training_memory_estimate(tokens, dims.shard, dims.tensor, n, horizon);
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
         "activation checkpointing: recomputing {recomputed} of {layers} layers; this run needs \
@@ -416,17 +418,22 @@ fn run(cli: Cli) -> Result<(), DynError> {
     };
     let dims = ParallelDims::new(&config.parallel, world)?;
     let mut config = config;
-    // With offloading every layer recomputes unless a flag says otherwise: the memory estimate
-    // behind the automatic choice does not model offloading.
     if cuda
         && cli.activation_checkpointing.is_none()
         && cli.checkpointed_layers.is_none()
         && cli.config.is_none()
-        && !config.parallel.activation_offloading
     {
         let recomputed = layers_to_recompute(&config, &dims)?;
         config.parallel.activation_checkpointing = recomputed > 0;
         config.parallel.checkpointed_layers = Some(recomputed);
+        if recomputed == 0 && config.parallel.activation_offloading {
+            // Offloading moves what recomputed layers keep; with none there is nothing to move.
+            tracing::info!(
+                "activation offloading: off, since no layer needs recomputing to fit the GPU \
+                 (--checkpointed-layers N recomputes and offloads N layers anyway)"
+            );
+            config.parallel.activation_offloading = false;
+        }
     }
     // The model's shape is known before the tokenizer except for the vocabulary, which
     // tensor parallelism does not split.

@@ -158,7 +158,9 @@ impl LlamaConfig {
     /// master weights, AdamW moments and gradient shards), `tokens` per micro-batch per
     /// tensor-parallel group, parameters sharded over `shard_degree x tp` ranks, the first
     /// `recomputed_layers` decoder layers checkpointed (0: none; the number of layers or more:
-    /// all).
+    /// all), their inputs offloaded to host memory when `offload_horizon` is `Some(horizon)`
+    /// (then only `horizon + 1` of them are on the device at once: the ones brought back ahead
+    /// of the backward and the one whose copy is in flight in the forward).
     ///
     /// A rough model, calibrated on an H200 at S=4096 (the memory in use as the step log reports
     /// it): Llama 2 7B on one GPU measured 112.6 GiB with every layer recomputed and 122.1 GiB
@@ -172,6 +174,7 @@ impl LlamaConfig {
         shard_degree: usize,
         tp: usize,
         recomputed_layers: usize,
+        offload_horizon: Option<usize>,
     ) -> u64 {
         let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
         let tokens = tokens as u64;
@@ -202,7 +205,11 @@ impl LlamaConfig {
         // A recomputed layer keeps its input. The peak is at the end of the forward (every kept
         // layer's graph) or, when all are recomputed, in the backward (one layer's graph); the
         // kept layers are the last ones, so their graphs are gone before any recomputation.
-        let acts = recomputed * tokens * h * 2 / tp + (layers - recomputed).max(1) * layer_acts;
+        let kept_inputs = match offload_horizon {
+            Some(horizon) => recomputed.min(horizon as u64 + 1),
+            None => recomputed,
+        };
+        let acts = kept_inputs * tokens * h * 2 / tp + (layers - recomputed).max(1) * layer_acts;
         // Allocator slack and the CUDA context.
         (state + transient + acts) * 11 / 10 + (1 << 30)
     }
@@ -217,11 +224,15 @@ impl LlamaConfig {
         tokens: usize,
         shard_degree: usize,
         tp: usize,
+        offload_horizon: Option<usize>,
         device_bytes: u64,
     ) -> usize {
         let budget = device_bytes / 100 * MEMORY_BUDGET_PERCENT;
         (0..=self.num_hidden_layers)
-            .find(|&n| self.training_memory_estimate(tokens, shard_degree, tp, n) <= budget)
+            .find(|&n| {
+                self.training_memory_estimate(tokens, shard_degree, tp, n, offload_horizon)
+                    <= budget
+            })
             .unwrap_or(self.num_hidden_layers)
     }
 
@@ -257,7 +268,7 @@ mod tests {
         let b1 = LlamaConfig::preset("1b").unwrap();
         let b7 = LlamaConfig::preset("7b").unwrap();
         let gib = |c: &LlamaConfig, shard, recomputed: usize| {
-            c.training_memory_estimate(4096, shard, 1, recomputed) as f64 / GIB
+            c.training_memory_estimate(4096, shard, 1, recomputed, None) as f64 / GIB
         };
         let near = |got: f64, measured: f64| (got - measured).abs() / measured < 0.15;
         assert!(near(gib(&b1, 1, 0), 27.0), "{}", gib(&b1, 1, 0));
@@ -273,23 +284,39 @@ mod tests {
             assert!(gib(&b7, 1, n) >= gib(&b7, 1, n + 1), "{n}");
         }
         let h200 = (139.8 * GIB) as u64;
-        assert_eq!(b1.layers_to_recompute(4096, 1, 1, h200), 0);
-        assert_eq!(b7.layers_to_recompute(4096, 1, 1, h200), 0);
-        let long = b7.layers_to_recompute(8192, 1, 1, h200);
+        assert_eq!(b1.layers_to_recompute(4096, 1, 1, None, h200), 0);
+        assert_eq!(b7.layers_to_recompute(4096, 1, 1, None, h200), 0);
+        let long = b7.layers_to_recompute(8192, 1, 1, None, h200);
         assert!(
             long > 0 && long < 32,
             "7B at S=8192 recomputes {long} layers"
         );
-        assert_eq!(b7.layers_to_recompute(65536, 1, 1, h200), 32);
+        assert_eq!(b7.layers_to_recompute(65536, 1, 1, None, h200), 32);
         // Sharding and tensor parallelism divide the state.
         assert!(gib(&b7, 2, 0) < gib(&b7, 1, 0) - 40.0);
-        let tp2 = b7.training_memory_estimate(4096, 1, 2, 0) as f64 / GIB;
+        let tp2 = b7.training_memory_estimate(4096, 1, 2, 0, None) as f64 / GIB;
         assert!(tp2 < gib(&b7, 1, 0) - 40.0);
         // Tensor parallelism 2 at S=32,768 (calls BD and CG): 73.7 GiB with every layer
         // recomputed, 129.5 GiB with none, which the automatic choice (none) kept.
-        let tp_long = |n| b7.training_memory_estimate(32768, 1, 2, n) as f64 / GIB;
+        let tp_long = |n| b7.training_memory_estimate(32768, 1, 2, n, None) as f64 / GIB;
         assert!(near(tp_long(32), 73.7), "{}", tp_long(32));
         assert!(near(tp_long(0), 129.5), "{}", tp_long(0));
-        assert_eq!(b7.layers_to_recompute(32768, 1, 2, h200), 0);
+        assert_eq!(b7.layers_to_recompute(32768, 1, 2, None, h200), 0);
+    }
+
+    /// Offloading takes the recomputed layers' inputs off the device but for the horizon's
+    /// (Llama 2 7B at S=65,536: 32 inputs of 0.5 GiB against 3), and changes nothing when no
+    /// layer recomputes. Not measured on a GPU yet (docs/performance.md, session 8).
+    #[test]
+    fn offloading_frees_the_recomputed_layers_inputs() {
+        let b7 = LlamaConfig::preset("7b").unwrap();
+        let gib = |recomputed, horizon| {
+            b7.training_memory_estimate(65536, 1, 1, recomputed, horizon) as f64 / GIB
+        };
+        let saved = gib(32, None) - gib(32, Some(2));
+        // 29 inputs of 0.5 GiB, plus the estimate's 10 % allocator slack.
+        assert!((saved - 29.0 * 0.5 * 1.1).abs() < 0.1, "{saved}");
+        assert_eq!(gib(0, None), gib(0, Some(2)));
+        assert!(gib(32, Some(40)) == gib(32, None));
     }
 }
