@@ -9,6 +9,11 @@
 //! `select_assign`), with the time of each.
 //! `kernel_bench adamw`: the fused AdamW and gradient-norm (weighted sum of squares) checks, then
 //! their bandwidth against the Burn-ops versions.
+//! `kernel_bench offload`: activation offloading (`smp_burn::offload`): the values must come back
+//! bit for bit (bf16 and f32, odd shapes), then device-to-host and host-to-device GB/s for a
+//! Llama 2 7B layer input at S=4096 (32 MiB of bf16), and how long the host waits in `settle`
+//! when the copy is queued behind half a second of GEMMs (it should not wait for them: the copy is
+//! waited for a layer later in training, when the queue has moved on).
 //! `kernel_bench gemm`: linear-layer GEMM TFLOP/s at the Llama 1B and 7B shapes, three ways in
 //! one process: our cuBLAS linear on Burn tensors (ordering included), Burn's stock matmul, and
 //! cuBLAS called directly on raw buffers (the goal: ours at least 95 % of direct).
@@ -664,6 +669,84 @@ fn bench_sq_sum() {
     );
 }
 
+/// `kernel_bench offload`: round trips bit for bit, then the copies' bandwidth.
+fn offload() -> bool {
+    use smp_burn::offload::offload as to_host;
+    let dev = device();
+    let mut ok = true;
+    for (dtype, shape) in [
+        (DType::BF16, [3, 77, 129]),
+        (DType::F32, [2, 5, 1001]),
+        (DType::BF16, [1, 4096, 4096]),
+    ] {
+        let t = Tensor::<B, 3>::random(shape, Distribution::Normal(0.0, 1.0), &dev).cast(dtype);
+        let mut host = to_host(t.clone()).expect("offload");
+        host.settle().expect("settle");
+        let back = host.reload().expect("reload");
+        let same = back.dtype() == dtype
+            && back.dims() == shape
+            && back.into_data().as_bytes() == t.into_data().as_bytes();
+        println!(
+            "offload {dtype:?} {shape:?}: round trip {}",
+            if same { "bitwise equal" } else { "FAILED" }
+        );
+        ok &= same;
+    }
+    let x = Tensor::<B, 3>::random([1, 4096, 4096], Distribution::Normal(0.0, 1.0), &dev)
+        .cast(DType::BF16);
+    let bytes = 4096.0 * 4096.0 * 2.0;
+    let d2h = time(20, || {
+        let mut host = to_host(x.clone()).expect("offload");
+        host.settle().expect("settle");
+    });
+    let mut host = to_host(x.clone()).expect("offload");
+    host.settle().expect("settle");
+    let mut hosts: Vec<_> = (0..20)
+        .map(|_| {
+            let mut h = to_host(x.clone()).expect("offload");
+            h.settle().expect("settle");
+            h
+        })
+        .collect();
+    // Not `time`: its warm-up calls would use the offloaded copies up.
+    B::sync(&dev).unwrap();
+    let t = Instant::now();
+    let n = hosts.len();
+    for h in hosts.drain(..) {
+        drop(h.reload().expect("reload"));
+    }
+    B::sync(&dev).unwrap();
+    let h2d = t.elapsed().as_secs_f64() / n as f64;
+    drop(host);
+    // Queue about half a second of GEMMs (Burn's matmul), then the copy: `offload` must return
+    // at once, and `settle` waits for the GEMMs (the training loop settles a layer later).
+    let a = Tensor::<B, 2>::random([8192, 8192], Distribution::Default, &dev).cast(DType::BF16);
+    B::sync(&dev).unwrap();
+    let t0 = Instant::now();
+    for _ in 0..100 {
+        let _ = a.clone().matmul(a.clone());
+    }
+    let queued = t0.elapsed();
+    let t1 = Instant::now();
+    let mut pending = to_host(x.clone()).expect("offload");
+    let issue = t1.elapsed();
+    pending.settle().expect("settle");
+    let waited = t1.elapsed();
+    println!(
+        "offload 32 MiB bf16: device-to-host {:.3} ms ({:.1} GB/s, offload + settle), \
+         host-to-device {:.3} ms ({:.1} GB/s, reload); behind {:.0} ms of queued GEMMs: \
+         offload returned in {:.3} ms, settle after {:.0} ms",
+        d2h * 1e3,
+        bytes / d2h / 1e9,
+        h2d * 1e3,
+        bytes / h2d / 1e9,
+        queued.as_secs_f64() * 1e3,
+        issue.as_secs_f64() * 1e3,
+        waited.as_secs_f64() * 1e3,
+    );
+    ok
+}
+
 /// Median seconds per call of `f` over `iters` calls, each followed by a device sync.
 fn time(iters: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..3 {
@@ -807,10 +890,11 @@ fn main() {
                 bench_sq_sum();
             }
             "attention" => ok &= check_attention(),
+            "offload" => ok &= offload(),
             "gemm" => gemm(),
             other => {
                 eprintln!(
-                    "unknown part {other:?}: use check, attention, xent, embed, adamw and/or gemm"
+                    "unknown part {other:?}: use check, attention, xent, embed, adamw, offload and/or gemm"
                 );
                 std::process::exit(2);
             }
