@@ -129,15 +129,25 @@ fn offloading_changes_nothing_but_memory() {
         ..base
     };
     let reference = run(1, parallel(0, true), 2).remove(0);
+    assert_eq!(reference.offloaded_bytes, 0);
+    // A micro-batch on one rank: 12 rows x 16 tokens x hidden 64 x 4 bytes, per layer.
+    let layer_input = GLOBAL_BATCH * SEQ * 64 * 4;
     for horizon in [1, 2, 5] {
         let r = run(1, offloaded(parallel(0, true), horizon), 2).remove(0);
         assert_matches(&reference, &r, &format!("1 rank, horizon {horizon}"));
+        assert_eq!(
+            r.offloaded_bytes,
+            2 * layer_input,
+            "both layers' inputs offloaded"
+        );
     }
     let partial = ParallelConfig {
         checkpointed_layers: Some(1),
         ..parallel(0, true)
     };
     for (rank, r) in run(2, offloaded(partial, 1), 2).iter().enumerate() {
+        // Each of the 2 ranks holds half of a micro-batch's rows; only layer 0 recomputes.
+        assert_eq!(r.offloaded_bytes, layer_input / 2, "rank {rank}");
         assert_matches(
             &reference,
             r,

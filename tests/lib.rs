@@ -26,6 +26,8 @@ pub struct RunResult {
     pub params: Vec<(String, Vec<f32>)>,
     /// Bytes of parameter, gradient and optimizer state this rank held after the last step.
     pub state_bytes: usize,
+    /// Bytes of activations the last micro-batch kept in host memory (activation offloading).
+    pub offloaded_bytes: usize,
 }
 
 /// Deterministic token batches: `[global_batch, seq]` inputs and next-token targets.
@@ -96,6 +98,7 @@ pub fn train_rank(
         grad_norms: vec![],
         params: vec![],
         state_bytes: 0,
+        offloaded_bytes: 0,
     };
     for step in 0..steps {
         let mut loss_sum = 0.0;
@@ -133,6 +136,7 @@ pub fn train_rank(
         result.grad_norms.push(stats.grad_norm_now());
     }
     result.state_bytes = model.state_bytes();
+    result.offloaded_bytes = model.offloaded_bytes();
     result.params = model
         .gather_named(StateKind::Weights)
         .expect("gather")

@@ -99,11 +99,12 @@ fn tp2_with_offloading_matches_one_rank() {
         activation_loading_horizon: 1,
         ..parallel(2, 0, true)
     };
-    check(
-        &reference,
-        &run(&config, 2, &offloaded, STEPS, 2),
-        "tp 2, offloading, 2 micro-batches",
-    );
+    let runs = run(&config, 2, &offloaded, STEPS, 2);
+    check(&reference, &runs, "tp 2, offloading, 2 micro-batches");
+    // Each tp rank offloads its half of the sequence of all 8 rows, for both layers (f32).
+    for r in &runs {
+        assert_eq!(r.offloaded_bytes, 2 * GLOBAL_BATCH * (SEQ / 2) * 64 * 4);
+    }
 }
 
 /// TP=2 x FSDP over 2 ranks (4 ranks; FSDP shards each tp rank's layer slice across the 2

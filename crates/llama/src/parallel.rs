@@ -96,6 +96,8 @@ pub struct ShardedLlama<B: AutodiffBackend> {
     checkpointing: ActivationCheckpointing,
     /// With activation offloading, the loading horizon (layers ahead of use); `None`: off.
     offloading: Option<usize>,
+    /// Bytes the last `forward_backward` moved to host memory (activation offloading).
+    offloaded_bytes: usize,
     /// Rotary tables of the last sequence length used. Building them on the host took about
     /// 20 ms per micro-batch at S=4096 (half a million `powf`/`cos`/`sin` calls and a copy to
     /// the device), a sixth of a 1.2B model's step on an H200.
@@ -119,16 +121,14 @@ pub struct StepStats<IB: Backend> {
 }
 
 impl<IB: Backend> StepStats<IB> {
-    /// The gradient norm on the host (waits for the device).
+    /// The gradient norm on the host (waits for the device; NaN if the read fails). Through
+    /// `smp_burn::readback`, the trainer's path, so that tests read it the way training does.
     pub fn grad_norm_now(&self) -> f64 {
-        self.grad_norm
-            .clone()
-            .into_data()
-            .convert::<f64>()
-            .to_vec::<f64>()
+        smp_burn::readback::read_later(self.grad_norm.clone())
+            .and_then(|pending| pending.wait())
             .ok()
             .and_then(|v| v.first().copied())
-            .unwrap_or(f64::NAN)
+            .map_or(f64::NAN, f64::from)
     }
 }
 
@@ -214,6 +214,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
             device: device.clone(),
             checkpointing: activation_checkpointing.into(),
             offloading: None,
+            offloaded_bytes: 0,
             rope_cache: std::sync::Mutex::new(None),
         })
     }
@@ -382,6 +383,7 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
             },
         }
         let mut saved: Vec<Saved<B>> = Vec::with_capacity(n);
+        self.offloaded_bytes = 0;
         for (i, unit) in self.layers.iter().enumerate() {
             let full = gathered(next_layer.take(), unit, ctx)?;
             if prefetch {
@@ -397,7 +399,9 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
                     .forward_split(x.clone(), cos.clone(), sin.clone(), &regions)?
                     .detach();
                 if self.offloading.is_some() {
-                    saved.push(Saved::Offloaded(offload(x.inner())?));
+                    let host = offload(x.inner())?;
+                    self.offloaded_bytes += host.bytes();
+                    saved.push(Saved::Offloaded(host));
                     // The previous layer's copy was queued a layer's work ago: waiting for it
                     // now frees its device buffer without draining the queue.
                     if let Some(Saved::Offloaded(previous)) = saved.iter_mut().rev().nth(1) {
@@ -748,6 +752,13 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
     /// Bytes of parameter, gradient and optimizer state this rank holds.
     pub fn state_bytes(&self) -> usize {
         self.units_mut_iter().map(|u| u.state_bytes()).sum()
+    }
+
+    /// Bytes of activations the last [`Self::forward_backward`] kept in host memory instead of
+    /// on the device (0 without activation offloading): one input per recomputed layer, this
+    /// rank's `[batch, seq / tp, hidden]` in the compute dtype.
+    pub fn offloaded_bytes(&self) -> usize {
+        self.offloaded_bytes
     }
 }
 

@@ -532,6 +532,7 @@ pub fn train_rank<B: AutodiffBackend>(
             || (cfg.checkpoint_interval > 0 && done.is_multiple_of(cfg.checkpoint_interval))
     };
 
+    let mut offload_reported = false;
     while start_step < cfg.steps {
         let step = start_step;
         let t0 = Instant::now();
@@ -547,6 +548,14 @@ pub fn train_rank<B: AutodiffBackend>(
             let (inputs, targets) = tensors::<B>(&batch, device);
             let last = micro + 1 == accum;
             let loss = model.forward_backward(inputs, targets, 1.0 / accum as f32, !last)?;
+            if lead && !offload_reported && model.offloaded_bytes() > 0 {
+                offload_reported = true;
+                tracing::info!(
+                    "activation offloading: {:.1} MiB of layer inputs per micro-batch in host \
+                     memory (rank 0)",
+                    model.offloaded_bytes() as f64 / (1u64 << 20) as f64
+                );
+            }
             loss_acc = Some(match loss_acc {
                 Some(acc) => acc + loss,
                 None => loss,
