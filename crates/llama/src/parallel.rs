@@ -5,7 +5,9 @@
 //! With activation checkpointing a unit's forward runs without an autodiff graph and only its
 //! input is kept; its backward gathers the parameters again, recomputes the forward with a
 //! graph and backpropagates the incoming gradient. Without it, each unit's graph (and so its
-//! gathered parameters) is kept from the forward to the backward.
+//! gathered parameters) is kept from the forward to the backward. With activation offloading
+//! (`set_activation_offloading`) that kept input waits in host memory instead
+//! ([`smp_burn::offload`]) and comes back a few layers ahead of its backward.
 //!
 //! With tensor parallelism (a [`TpContext`] of degree `tp` > 1; Megatron-LM's layout with
 //! sequence parallelism) each decoder layer is split across the tp ranks as [`tp_split`] says:
