@@ -229,13 +229,8 @@ impl<B: AutodiffBackend> ShardedLlama<B> {
     /// # Errors
     /// A horizon of 0.
     pub fn set_activation_offloading(&mut self, horizon: Option<usize>) -> Result<()> {
-        if horizon == Some(0) {
-            return Err(smp_burn::SmpError::Config(
-                "activation_loading_horizon 0: the backward must load at least the layer it is \
-                 about to run (1 or more)"
-                    .into(),
-            )
-            .into());
+        if let Some(h) = horizon {
+            smp_burn::config::check_loading_horizon(h)?;
         }
         self.offloading = horizon;
         Ok(())

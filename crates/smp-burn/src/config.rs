@@ -105,6 +105,22 @@ impl ParallelConfig {
     }
 }
 
+/// Checks an activation-offloading loading horizon: the backward must bring back at least the
+/// layer it is about to run.
+///
+/// # Errors
+/// A horizon of 0, named in the message.
+pub fn check_loading_horizon(horizon: usize) -> Result<(), SmpError> {
+    if horizon == 0 {
+        return Err(SmpError::Config(
+            "activation_loading_horizon 0: the backward must load at least the layer it is about \
+             to run (1 or more)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Which of a model's repeated blocks (decoder layers) keep only their input in the forward and
 /// recompute the rest in the backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,13 +202,7 @@ impl ParallelDims {
                     config.activation_checkpointing, config.checkpointed_layers
                 )));
             }
-            if config.activation_loading_horizon == 0 {
-                return Err(SmpError::Config(
-                    "activation_loading_horizon 0: the backward must load at least the layer it \
-                     is about to run (1 or more)"
-                        .into(),
-                ));
-            }
+            check_loading_horizon(config.activation_loading_horizon)?;
         }
         let dp = world / tp;
         let shard = match config.hybrid_shard_degree {

@@ -30,19 +30,19 @@ use crate::readback::{BytesFuture, queue_cuda_read, wait_cuda_read};
 /// A tensor's values on their way to host memory, in host memory, or (after
 /// [`HostActivation::reload`]) back on the device.
 pub struct HostActivation<B: Backend, const D: usize> {
-    state: State<B>,
+    state: State,
     shape: Shape,
     dtype: DType,
     device: B::Device,
 }
 
-enum State<B: Backend> {
+enum State {
     /// The CUDA copy is queued; its future holds the device buffer until it is waited for.
     Copying(BytesFuture),
     /// The values are in host memory.
     Host(TensorData),
     /// Placeholder while the state moves (never observed outside a method).
-    Moved(std::marker::PhantomData<B>),
+    Moved,
 }
 
 impl<B: Backend, const D: usize> std::fmt::Debug for HostActivation<B, D> {
@@ -50,7 +50,7 @@ impl<B: Backend, const D: usize> std::fmt::Debug for HostActivation<B, D> {
         let state = match self.state {
             State::Copying(_) => "copy queued",
             State::Host(_) => "in host memory",
-            State::Moved(_) => "moved",
+            State::Moved => "moved",
         };
         f.debug_struct("HostActivation")
             .field("shape", &self.shape)
@@ -96,9 +96,7 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
     /// If the device reports a failure of the copy or of the work before it.
     pub fn settle(&mut self) -> Result<(), SmpError> {
         if let State::Copying(_) = self.state {
-            let State::Copying(fut) =
-                std::mem::replace(&mut self.state, State::Moved(std::marker::PhantomData))
-            else {
+            let State::Copying(fut) = std::mem::replace(&mut self.state, State::Moved) else {
                 unreachable!("matched above")
             };
             let bytes = wait_cuda_read(fut, "offloading an activation")?;
