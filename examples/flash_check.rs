@@ -596,6 +596,9 @@ fn bench_case(
 
 fn main() {
     let args = parse_args();
+    // Keeps the compiled kernels (and their PTX, for `scripts/gpu/ptx_dump.py`) in the user's
+    // cache folder, as the trainer does.
+    let _ = smp_burn::cuda::configure_kernel_cache();
     let dev = CudaDevice::new(0);
     let client = CudaRuntime::client(&dev);
     let has_cmma = cmma_supported(&client, DType::BF16);
