@@ -10,8 +10,9 @@
 //! On Burn's CUDA backend the device-to-host copy is queued on Burn's stream behind the work
 //! that produces the tensor (into pinned host memory) and the host does not wait for it: the
 //! copy holds the device buffer until [`HostActivation::settle`], which the caller runs a layer
-//! later, when the copy is long done. The way back ([`HostActivation::reload`]) is an ordinary
-//! upload, queued a few layers ahead of its use (SMP's `activation_loading_horizon`). Both
+//! later, when the copy is long done. The way back ([`HostActivation::reload`]) is one
+//! asynchronous copy from that pinned memory into a new device buffer, queued a few layers ahead
+//! of its use (SMP's `activation_loading_horizon`). Both
 //! copies run on the compute stream, in order with the kernels, so they do not overlap
 //! computation; they cost about `bytes / PCIe bandwidth` each (0.6 ms for a 7B layer's 32 MiB
 //! at 55 GB/s, against about 4 ms of forward per layer at S=4096 on an H200). On other backends the tensor's data
@@ -20,12 +21,13 @@
 
 use std::any::TypeId;
 
-use burn::tensor::{DType, Shape, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Shape, Tensor, TensorData, TensorPrimitive, backend::Backend};
 use burn_cubecl::kernel::into_contiguous;
+use cubecl::cuda::CudaDevice;
 
 use crate::cuda::CudaCube;
 use crate::error::SmpError;
-use crate::readback::{BytesFuture, queue_cuda_read, wait_cuda_read};
+use crate::readback::{BytesFuture, queue_cuda_read, queue_cuda_upload, wait_cuda_read};
 
 /// A tensor's values on their way to host memory, in host memory, or (after
 /// [`HostActivation::reload`]) back on the device.
@@ -38,8 +40,10 @@ pub struct HostActivation<B: Backend, const D: usize> {
 
 enum State {
     /// The CUDA copy is queued; its future holds the device buffer until it is waited for.
-    Copying(BytesFuture),
-    /// The values are in host memory.
+    Copying(BytesFuture, CudaDevice),
+    /// The values are in (pinned) host memory, to go back to this CUDA device.
+    CudaHost(cubecl::bytes::Bytes, CudaDevice),
+    /// The values are in host memory (backends other than CUDA).
     Host(TensorData),
     /// Placeholder while the state moves (never observed outside a method).
     Moved,
@@ -48,8 +52,8 @@ enum State {
 impl<B: Backend, const D: usize> std::fmt::Debug for HostActivation<B, D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match self.state {
-            State::Copying(_) => "copy queued",
-            State::Host(_) => "in host memory",
+            State::Copying(..) => "copy queued",
+            State::CudaHost(..) | State::Host(_) => "in host memory",
             State::Moved => "moved",
         };
         f.debug_struct("HostActivation")
@@ -76,7 +80,8 @@ pub fn offload<B: Backend, const D: usize>(
         let t: Tensor<CudaCube, D> = crate::fast::same(t);
         let prim = into_contiguous(t.into_primitive().tensor());
         let bytes = prim.meta.num_elements() * dtype.size();
-        State::Copying(queue_cuda_read(prim, bytes)?)
+        let cuda_device = prim.device.clone();
+        State::Copying(queue_cuda_read(prim, bytes)?, cuda_device)
     } else {
         State::Host(t.into_data())
     };
@@ -95,8 +100,9 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
     /// # Errors
     /// If the device reports a failure of the copy or of the work before it.
     pub fn settle(&mut self) -> Result<(), SmpError> {
-        if let State::Copying(_) = self.state {
-            let State::Copying(fut) = std::mem::replace(&mut self.state, State::Moved) else {
+        if let State::Copying(..) = self.state {
+            let State::Copying(fut, cuda_device) = std::mem::replace(&mut self.state, State::Moved)
+            else {
                 unreachable!("matched above")
             };
             let bytes = wait_cuda_read(fut, "offloading an activation")?;
@@ -110,18 +116,14 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
                     self.bytes()
                 )));
             }
-            self.state = State::Host(TensorData::from_bytes(
-                bytes,
-                self.shape.clone(),
-                self.dtype,
-            ));
+            self.state = State::CudaHost(bytes, cuda_device);
         }
         Ok(())
     }
 
     /// Whether the values are in host memory (the copy has been waited for).
     pub fn is_on_host(&self) -> bool {
-        matches!(self.state, State::Host(_))
+        matches!(self.state, State::CudaHost(..) | State::Host(_))
     }
 
     /// Size of the values in bytes.
@@ -135,10 +137,17 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
     /// As [`HostActivation::settle`].
     pub fn reload(mut self) -> Result<Tensor<B, D>, SmpError> {
         self.settle()?;
-        let State::Host(data) = self.state else {
-            unreachable!("settle leaves the values in host memory")
-        };
-        Ok(Tensor::from_data(data, (&self.device, self.dtype)))
+        match self.state {
+            State::CudaHost(bytes, cuda_device) => {
+                let prim = queue_cuda_upload(&cuda_device, bytes, self.shape, self.dtype);
+                let t = Tensor::<CudaCube, D>::from_primitive(TensorPrimitive::Float(prim));
+                Ok(crate::fast::same(t))
+            }
+            State::Host(data) => Ok(Tensor::from_data(data, (&self.device, self.dtype))),
+            State::Copying(..) | State::Moved => {
+                unreachable!("settle leaves the values in host memory")
+            }
+        }
     }
 }
 

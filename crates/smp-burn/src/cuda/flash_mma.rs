@@ -596,12 +596,6 @@ fn mma_pv_strip<F: Float, N: Size>(
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
 ) {
-    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    // Transposed V loads: lane l supplies key row l % 16, column 8 (l / 16): matrices (keys
-    // 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15) = b0, b1 of
-    // d-tile 2j, then b0, b1 of d-tile 2j + 1.
-    let v_row = lane % 16;
-    let v_col = (lane / 16) * 8;
     #[unroll]
     for kk in 0..comptime!(n_tiles / 2) {
         // A fragment of keys 16 kk .. 16 kk + 16 = accumulators of key n-tiles 2kk, 2kk + 1:
@@ -620,22 +614,85 @@ fn mma_pv_strip<F: Float, N: Size>(
             }
             p_frags.push(pa);
         }
+        mma_pv_kstep::<F, N>(
+            &p_frags, v, v_row0, o, lane, kk, m_tiles, d_tiles, ldt, nv,
+        );
+    }
+}
+
+/// [`mma_pv_strip`] with `P` already rounded to `F` and packed in pairs: `pk[(mt * n_tiles +
+/// nt) * 2 + h]` is vector `h` of accumulator fragment (mt, nt). Why: the forward then holds
+/// the block's probabilities in half the registers (its 8x2 tiling spilled at 255 registers
+/// with the f32 copy, session 9 call DB).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn mma_pv_packed<F: Float, N: Size>(
+    pk: &Array<Vector<F, Const<2>>>,
+    v: &SharedMemory<Vector<F, N>>,
+    v_row0: usize,
+    o: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    lane: usize,
+    #[comptime] m_tiles: usize,
+    #[comptime] n_tiles: usize,
+    #[comptime] d_tiles: usize,
+    #[comptime] ldt: usize,
+    #[comptime] nv: usize,
+) {
+    #[unroll]
+    for kk in 0..comptime!(n_tiles / 2) {
+        let mut p_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
         #[unroll]
-        for dp in 0..comptime!(d_tiles / 2) {
-            let b4 = ldsm_x4::<F, N>(
-                v,
-                (v_row0 + 16 * kk + v_row) * ldt + 16 * dp + v_col,
-                nv,
-                true,
-            );
-            let b_lo = frag_pair::<F>(&b4, 0usize);
-            let b_hi = frag_pair::<F>(&b4, 2usize);
+        for mt in 0..m_tiles {
+            let mut pa = Array::<Vector<F, Const<2>>>::new(4usize);
             #[unroll]
-            for mt in 0..m_tiles {
-                let pf = p_frags.index(mt);
-                def.execute_inplace(pf, &b_lo, o.index_mut(comptime!(mt * d_tiles + 2 * dp)));
-                def.execute_inplace(pf, &b_hi, o.index_mut(comptime!(mt * d_tiles + 2 * dp + 1)));
+            for j in 0..4usize {
+                pa[j] = pk[comptime!((mt * n_tiles + 2 * kk + j / 2) * 2 + j % 2)];
             }
+            p_frags.push(pa);
+        }
+        mma_pv_kstep::<F, N>(
+            &p_frags, v, v_row0, o, lane, kk, m_tiles, d_tiles, ldt, nv,
+        );
+    }
+}
+
+/// One 16-key step `kk` of `O += P V`: `p_frags[mt]` is the A fragment of m-tile `mt` for keys
+/// `16 kk .. 16 kk + 16` (see [`mma_pv_strip`] for the layouts).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn mma_pv_kstep<F: Float, N: Size>(
+    p_frags: &Sequence<Array<Vector<F, Const<2>>>>,
+    v: &SharedMemory<Vector<F, N>>,
+    v_row0: usize,
+    o: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    lane: usize,
+    #[comptime] kk: usize,
+    #[comptime] m_tiles: usize,
+    #[comptime] d_tiles: usize,
+    #[comptime] ldt: usize,
+    #[comptime] nv: usize,
+) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    // Transposed V loads: lane l supplies key row l % 16, column 8 (l / 16): matrices (keys
+    // 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15) = b0, b1 of
+    // d-tile 2j, then b0, b1 of d-tile 2j + 1.
+    let v_row = lane % 16;
+    let v_col = (lane / 16) * 8;
+    #[unroll]
+    for dp in 0..comptime!(d_tiles / 2) {
+        let b4 = ldsm_x4::<F, N>(
+            v,
+            (v_row0 + 16 * kk + v_row) * ldt + 16 * dp + v_col,
+            nv,
+            true,
+        );
+        let b_lo = frag_pair::<F>(&b4, 0usize);
+        let b_hi = frag_pair::<F>(&b4, 2usize);
+        #[unroll]
+        for mt in 0..m_tiles {
+            let pf = p_frags.index(mt);
+            def.execute_inplace(pf, &b_lo, o.index_mut(comptime!(mt * d_tiles + 2 * dp)));
+            def.execute_inplace(pf, &b_hi, o.index_mut(comptime!(mt * d_tiles + 2 * dp + 1)));
         }
     }
 }
@@ -753,7 +810,7 @@ fn fwd_block<F: Float, N: Size>(
     c_lo: usize,
     scale: f32,
     s_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    p: &mut Array<f32>,
+    pk: &mut Array<Vector<F, Const<2>>>,
     m_run: &mut Array<f32>,
     l_run: &mut Array<f32>,
     o_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
@@ -779,24 +836,24 @@ fn fwd_block<F: Float, N: Size>(
             }
             let row = row0 + 16 * mt + r;
             let si = comptime!(mt * 2 + hh);
-            // Raw scores of this row (scale > 0, so the max commutes with it).
+            // Raw scores of this row (scale > 0, so the max commutes with it); masked ones are
+            // written back as -1e30, so the exponentials below see them.
             let mut mx = f32::new(-1.0e30);
             #[unroll]
             for nt in 0..n_tiles {
-                let frag = s_acc.index(comptime!(mt * n_tiles + nt));
-                let pair = frag[hh];
-                #[unroll]
-                for e in 0..2usize {
-                    let mut sv = pair[e];
-                    if masked {
+                let frag = s_acc.index_mut(comptime!(mt * n_tiles + nt));
+                let mut pair = frag[hh];
+                if masked {
+                    #[unroll]
+                    for e in 0..2usize {
                         let key = k0 + 8 * nt + c_lo + e;
                         if key > row {
-                            sv = f32::new(-1.0e30);
+                            pair[e] = f32::new(-1.0e30);
                         }
                     }
-                    p[comptime!(((mt * n_tiles + nt) * 2 + hh) * 2 + e)] = sv;
-                    mx = f32::max(mx, sv);
+                    frag[hh] = pair;
                 }
+                mx = f32::max(mx, f32::max(pair[0], pair[1]));
             }
             mx = f32::max(mx, plane_shuffle_xor(mx, 1u32));
             mx = f32::max(mx, plane_shuffle_xor(mx, 2u32));
@@ -806,11 +863,15 @@ fn fwd_block<F: Float, N: Size>(
             m_run[si] = m_new;
             let mut lsum = f32::new(0.0);
             #[unroll]
-            for j in 0..comptime!(2 * n_tiles) {
-                let idx = comptime!(((mt * n_tiles + j / 2) * 2 + hh) * 2 + j % 2);
-                let pe = (p[idx] * scale - m_new).exp();
-                p[idx] = pe;
-                lsum += pe;
+            for nt in 0..n_tiles {
+                let pair = s_acc.index(comptime!(mt * n_tiles + nt))[hh];
+                let p0 = (pair[0] * scale - m_new).exp();
+                let p1 = (pair[1] * scale - m_new).exp();
+                lsum += p0 + p1;
+                let mut packed = Vector::<F, Const<2>>::empty();
+                packed[0] = F::cast_from(p0);
+                packed[1] = F::cast_from(p1);
+                pk[comptime!((mt * n_tiles + nt) * 2 + hh)] = packed;
             }
             l_run[si] = l_run[si] * alpha + lsum;
             let alpha_v = Vector::<f32, Const<2>>::new(alpha);
@@ -821,8 +882,8 @@ fn fwd_block<F: Float, N: Size>(
             }
         }
     }
-    mma_pv_strip::<F, N>(
-        p, vs, krow0, o_acc, lane, m_tiles, n_tiles, d_tiles, ldt, nv,
+    mma_pv_packed::<F, N>(
+        pk, vs, krow0, o_acc, lane, m_tiles, n_tiles, d_tiles, ldt, nv,
     );
 }
 
@@ -966,7 +1027,8 @@ fn flash_fwd_mma<F: Float, N: Size>(
 
     let mut o_acc = zero_frags(comptime!(m_tiles * d / 8));
     let mut s_acc = zero_frags(comptime!(m_tiles * MMA_KEYS / 8));
-    let mut p = Array::<f32>::new(comptime!(m_tiles * MMA_KEYS / 2));
+    // The block's probabilities, rounded to `F` in pairs (see `mma_pv_packed`).
+    let mut pk = Array::<Vector<F, Const<2>>>::new(comptime!(m_tiles * MMA_KEYS / 4));
     // Running max (of scaled scores) and this lane's partial running sum, per (m-tile, half).
     let mut m_run = Array::<f32>::new(comptime!(2 * m_tiles));
     let mut l_run = Array::<f32>::new(comptime!(2 * m_tiles));
@@ -1033,7 +1095,7 @@ fn flash_fwd_mma<F: Float, N: Size>(
         if k0 < row0 + rows_w {
             fwd_block::<F, N>(
                 &qs, &ks, &vs, 0usize, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
-                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
+                &mut pk, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
                 ldt, nv,
             );
         }
@@ -1135,7 +1197,8 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
 
     let mut o_acc = zero_frags(comptime!(m_tiles * d / 8));
     let mut s_acc = zero_frags(comptime!(m_tiles * MMA_KEYS / 8));
-    let mut p = Array::<f32>::new(comptime!(m_tiles * MMA_KEYS / 2));
+    // The block's probabilities, rounded to `F` in pairs (see `mma_pv_packed`).
+    let mut pk = Array::<Vector<F, Const<2>>>::new(comptime!(m_tiles * MMA_KEYS / 4));
     let mut m_run = Array::<f32>::new(comptime!(2 * m_tiles));
     let mut l_run = Array::<f32>::new(comptime!(2 * m_tiles));
     #[unroll]
@@ -1180,7 +1243,7 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
         if k0 < row0 + rows_w {
             fwd_block::<F, N>(
                 &qs, &ks, &vs, krow0, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
-                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
+                &mut pk, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
                 ldt, nv,
             );
         }

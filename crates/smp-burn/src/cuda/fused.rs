@@ -80,14 +80,6 @@ const COLSUM_GROUPS: usize = 8;
 /// eight vectors of a row: 512 threads of one 16-byte vector cover a bf16 row of 4096, and two
 /// such cubes fit an SM's registers, so the grid is sized for two cubes per SM.
 const NORM_BWD_V2_THREADS: usize = 512;
-/// Rows per iteration of the version-2 RMSNorm backward's row loop (see
-/// [`rms_norm_bwd_v2_kernel`]); capped so that a thread holds at most
-/// [`NORM_BWD_V2_MAX_VECTORS`] vectors of rows in flight.
-const NORM_BWD_V2_DEPTH: usize = 1;
-/// Most row vectors (`depth * vectors per thread`) a thread of the version-2 RMSNorm backward
-/// holds per iteration: each costs about 24 registers (raw next-row loads, f32 copies kept
-/// across the barrier), and past four the cube no longer fits an SM without spilling.
-const NORM_BWD_V2_MAX_VECTORS: usize = 4;
 /// Column vectors per cube of the version-2 column sum: 8 x 16 bytes, one 128-byte line per row.
 const COLSUM_V2_LANES: usize = 8;
 /// Row groups per cube of the version-2 column sum (`8 * 32` = 256 threads): 32 independent
@@ -472,52 +464,38 @@ fn rope_kernel<F: Float, N: Size>(
 
 // --- Version 2 of the RMSNorm backward and of RoPE (the default; see `legacy_kernels`) -----
 
-/// `depth` cube-wide sums at once with one barrier: `values[j]` of every unit is summed into
-/// `totals[j]`. `scratch` holds two halves of `depth` slots per plane, and consecutive calls
-/// alternate between them (`half` = 0, 1, 0, ...): a half is written again only two calls later,
-/// after every unit has passed the barrier of the call in between, which each unit reaches only
-/// after it has read the half, so no second barrier is needed.
+/// As [`cube_sum`], with one barrier instead of two: `scratch` holds two halves of `threads`
+/// slots and consecutive calls alternate between them (`half` = 0, 1, 0, ...). A half is written
+/// again only two calls later, after every unit has passed the barrier of the call in between,
+/// which each unit reaches only after it has read the half: no second barrier is needed.
 #[cube]
-fn cube_sums_alternating(
-    values: &Array<f32>,
-    totals: &mut Array<f32>,
+fn cube_sum_alternating(
+    value: f32,
     scratch: &mut SharedMemory<f32>,
     half: usize,
-    #[comptime] depth: usize,
     #[comptime] threads: usize,
-) {
-    let planes_max = comptime!(threads.div_ceil(32));
-    let base = half * comptime!(depth * threads.div_ceil(32));
-    #[unroll]
-    for j in 0..depth {
-        let plane_total = plane_sum(values[j]);
-        if UNIT_POS_PLANE == 0 {
-            scratch[base + j * planes_max + PLANE_POS as usize] = plane_total;
-        }
+) -> f32 {
+    let plane_total = plane_sum(value);
+    let base = half * threads;
+    if UNIT_POS_PLANE == 0 {
+        scratch[base + PLANE_POS as usize] = plane_total;
     }
     sync_cube();
     let planes = (CUBE_DIM + PLANE_DIM - 1) / PLANE_DIM;
-    #[unroll]
-    for j in 0..depth {
-        let mut total = f32::new(0.0);
-        for i in 0..planes as usize {
-            total += scratch[base + j * planes_max + i];
-        }
-        totals[j] = total;
+    let mut total = f32::new(0.0);
+    for i in 0..planes as usize {
+        total += scratch[base + i];
     }
+    total
 }
 
 /// RMSNorm backward, version 2: the formulas of [`rms_norm_bwd_kernel`], with the row loop
 /// software-pipelined. Why: the legacy kernel loads a row, reduces it (two barriers) and stores
 /// it before it issues the next row's loads, so each cube has loads in flight only part of the
-/// time (1.35 TB/s on an H200). Here a cube works on `depth` rows per iteration: a thread
-/// issues the loads of the next `depth` rows (`x`, `dy`, `inv_rms`, raw in registers) right
-/// after it has converted the current ones, so they are in flight while the current rows are
-/// reduced (one barrier for all `depth` rows, [`cube_sums_alternating`]) and stored. With
-/// `depth = 1` the cube waits one memory latency per row, which bounds it at 1.4-1.7 TB/s on
-/// an H200 (call CD's sweep of cube shapes found no grid that hides it); more rows per
-/// iteration divide that wait. The loads come before the stores in program order, so the
-/// compiler needs no aliasing proof to overlap them.
+/// time (1.35 TB/s on an H200). Here a thread issues the loads of row `i + 1` (`x`, `dy`,
+/// `inv_rms`, raw in registers) right after it has converted row `i`, so they are in flight
+/// while row `i` is reduced (one barrier, [`cube_sum_alternating`]) and stored. The loads come
+/// before the stores in program order, so the compiler needs no aliasing proof to overlap them.
 /// Cube = a block of `rows_per_cube` rows, thread `t` owns vectors `t, t + threads, ...` of each
 /// row; the host sizes the grid to about one wave, so the block's partial `dweight` row (f32)
 /// is short.
@@ -537,7 +515,6 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] vpt: usize,
     #[comptime] threads: usize,
-    #[comptime] depth: usize,
     #[comptime] want_dw: bool,
     #[comptime] accumulate: bool,
     #[define(F)] _dtype: StorageType,
@@ -554,145 +531,98 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
     }
     let t = UNIT_POS as usize;
     let hv = row_vectors as usize;
-    let mut scratch =
-        SharedMemory::<f32>::new(comptime!(2 * depth * threads.div_ceil(32)));
+    let mut scratch = SharedMemory::<f32>::new(comptime!(2 * threads));
     let mut ws = Array::<Vector<f32, N>>::new(vpt);
     let mut acc = Array::<Vector<f32, N>>::new(vpt);
-    // Raw (input dtype) vectors of the next `depth` rows (element `j * vpt + i`: row `j`,
-    // vector `i`), loaded one iteration ahead (with `accumulate`, also the gradient already in
-    // `dx`, which the rows' results add to). Rows past `r1` stay zero and are never stored.
-    let mut xn = Array::<Vector<F, N>>::new(comptime!(depth * vpt));
-    let mut gn = Array::<Vector<F, N>>::new(comptime!(depth * vpt));
-    let mut an = Array::<Vector<F, N>>::new(comptime!(depth * vpt));
-    let mut rn = Array::<f32>::new(depth);
+    // Raw (input dtype) vectors of the next row, loaded one iteration ahead (with
+    // `accumulate`, also the gradient already in `dx`, which this row's result adds to).
+    let mut xn = Array::<Vector<F, N>>::new(vpt);
+    let mut gn = Array::<Vector<F, N>>::new(vpt);
+    let mut an = Array::<Vector<F, N>>::new(vpt);
     #[unroll]
     for i in 0..vpt {
         let c = i * threads + t;
         let mut w = Vector::<f32, N>::new(f32::new(0.0));
         if c < hv {
             w = Vector::<f32, N>::cast_from(weight[c]);
+            xn[i] = x[r0 * hv + c];
+            gn[i] = dy[r0 * hv + c];
+            if comptime!(accumulate) {
+                an[i] = dx[r0 * hv + c];
+            }
         }
         ws[i] = w;
         acc[i] = Vector::<f32, N>::new(f32::new(0.0));
     }
-    #[unroll]
-    for j in 0..depth {
-        let row = r0 + j;
-        rn[j] = f32::new(0.0);
+    let mut rn = inv_rms[r0];
+    let mut xs = Array::<Vector<f32, N>>::new(vpt);
+    let mut gs = Array::<Vector<f32, N>>::new(vpt);
+    let mut dns = Array::<Vector<f32, N>>::new(vpt);
+    let mut accs = Array::<Vector<f32, N>>::new(vpt);
+    for row in r0..r1 {
+        let base = row * hv;
+        let r = rn;
+        let rv = Vector::<f32, N>::new(r);
+        // Row `row` to f32 (vectors past the row end are zero and never stored).
         #[unroll]
         for i in 0..vpt {
             let c = i * threads + t;
-            let k = comptime!(j * vpt + i);
-            if row < r1 && c < hv {
-                xn[k] = x[row * hv + c];
-                gn[k] = dy[row * hv + c];
+            let mut xv = Vector::<f32, N>::new(f32::new(0.0));
+            let mut g = Vector::<f32, N>::new(f32::new(0.0));
+            let mut a = Vector::<f32, N>::new(f32::new(0.0));
+            if c < hv {
+                xv = Vector::<f32, N>::cast_from(xn[i]);
+                g = Vector::<f32, N>::cast_from(gn[i]);
                 if comptime!(accumulate) {
-                    an[k] = dx[row * hv + c];
+                    a = Vector::<f32, N>::cast_from(an[i]);
                 }
             }
+            xs[i] = xv;
+            gs[i] = g;
+            accs[i] = a;
         }
-        if row < r1 {
-            rn[j] = inv_rms[row];
-        }
-    }
-    let mut xs = Array::<Vector<f32, N>>::new(comptime!(depth * vpt));
-    let mut gs = Array::<Vector<f32, N>>::new(comptime!(depth * vpt));
-    let mut dns = Array::<Vector<f32, N>>::new(comptime!(depth * vpt));
-    let mut accs = Array::<Vector<f32, N>>::new(comptime!(depth * vpt));
-    let mut rs = Array::<f32>::new(depth);
-    let mut dots = Array::<f32>::new(depth);
-    let mut totals = Array::<f32>::new(depth);
-    let iterations = (r1 - r0 + depth - 1) / depth;
-    for it in 0..iterations {
-        let first = r0 + it * depth;
-        // These rows to f32. Vectors past the row end and rows past `r1` (whose registers
-        // hold nothing, or an earlier row) are zero: they add nothing to the sums and the
-        // partial `dweight`, and are never stored.
-        #[unroll]
-        for j in 0..depth {
-            let valid = first + j < r1;
-            rs[j] = rn[j];
+        // Issue the next row's loads now; they complete while this row is reduced and stored.
+        let next = row + 1;
+        if next < r1 {
+            let nb = next * hv;
             #[unroll]
             for i in 0..vpt {
                 let c = i * threads + t;
-                let k = comptime!(j * vpt + i);
-                let mut xv = Vector::<f32, N>::new(f32::new(0.0));
-                let mut g = Vector::<f32, N>::new(f32::new(0.0));
-                let mut a = Vector::<f32, N>::new(f32::new(0.0));
-                if valid && c < hv {
-                    xv = Vector::<f32, N>::cast_from(xn[k]);
-                    g = Vector::<f32, N>::cast_from(gn[k]);
+                if c < hv {
+                    xn[i] = x[nb + c];
+                    gn[i] = dy[nb + c];
                     if comptime!(accumulate) {
-                        a = Vector::<f32, N>::cast_from(an[k]);
+                        an[i] = dx[nb + c];
                     }
                 }
-                xs[k] = xv;
-                gs[k] = g;
-                accs[k] = a;
             }
+            rn = inv_rms[next];
         }
-        // Issue the next rows' loads now; they complete while these rows are reduced and
-        // stored.
-        let next = first + depth;
+        let mut dot = f32::new(0.0);
         #[unroll]
-        for j in 0..depth {
-            let row = next + j;
-            if row < r1 {
-                #[unroll]
-                for i in 0..vpt {
-                    let c = i * threads + t;
-                    let k = comptime!(j * vpt + i);
-                    if c < hv {
-                        xn[k] = x[row * hv + c];
-                        gn[k] = dy[row * hv + c];
-                        if comptime!(accumulate) {
-                            an[k] = dx[row * hv + c];
-                        }
-                    }
-                }
-                rn[j] = inv_rms[row];
+        for i in 0..vpt {
+            let xv = xs[i];
+            let g = gs[i];
+            if comptime!(want_dw) {
+                // The weight multiplied the normalized row as rounded in the forward.
+                let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
+                acc[i] += g * n;
             }
+            let dn = g * ws[i];
+            dns[i] = dn;
+            dot += lane_sum::<N>(dn * xv, nv);
         }
+        let total = cube_sum_alternating(dot, &mut scratch, row % 2, threads);
+        let coef = Vector::<f32, N>::new(r * r * r * total / hidden);
         #[unroll]
-        for j in 0..depth {
-            let rv = Vector::<f32, N>::new(rs[j]);
-            let mut dot = f32::new(0.0);
-            #[unroll]
-            for i in 0..vpt {
-                let k = comptime!(j * vpt + i);
-                let xv = xs[k];
-                let g = gs[k];
-                if comptime!(want_dw) {
-                    // The weight multiplied the normalized row as rounded in the forward.
-                    let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
-                    acc[i] += g * n;
+        for i in 0..vpt {
+            let c = i * threads + t;
+            if c < hv {
+                let mut v = dns[i] * rv - xs[i] * coef;
+                if comptime!(accumulate) {
+                    v += accs[i];
                 }
-                let dn = g * ws[i];
-                dns[k] = dn;
-                dot += lane_sum::<N>(dn * xv, nv);
-            }
-            dots[j] = dot;
-        }
-        cube_sums_alternating(&dots, &mut totals, &mut scratch, it % 2, depth, threads);
-        #[unroll]
-        for j in 0..depth {
-            let row = first + j;
-            let r = rs[j];
-            let rv = Vector::<f32, N>::new(r);
-            let coef = Vector::<f32, N>::new(r * r * r * totals[j] / hidden);
-            if row < r1 {
-                #[unroll]
-                for i in 0..vpt {
-                    let c = i * threads + t;
-                    let k = comptime!(j * vpt + i);
-                    if c < hv {
-                        let mut v = dns[k] * rv - xs[k] * coef;
-                        if comptime!(accumulate) {
-                            v += accs[k];
-                        }
-                        dx[row * hv + c] = Vector::<F, N>::cast_from(v);
-                    }
-                }
+                dx[base + c] = Vector::<F, N>::cast_from(v);
             }
         }
     }
@@ -950,7 +880,7 @@ fn cubes(n: usize) -> CubeCount {
 /// eight; longer rows (scalar loads of odd sizes) take up to [`ROW_MAX_THREADS`] threads, and
 /// at most 16 vectors each, as [`rms_norm_supports`] guarantees.
 fn row_layout_bwd_v2(row_vectors: usize) -> (usize, usize) {
-    let preferred = norm_bwd_tuning().map_or(NORM_BWD_V2_THREADS, |t| t.threads);
+    let preferred = norm_bwd_tuning().map_or(NORM_BWD_V2_THREADS, |(threads, _)| threads);
     let max = if row_vectors > 8 * preferred {
         ROW_MAX_THREADS
     } else {
@@ -963,50 +893,25 @@ fn row_layout_bwd_v2(row_vectors: usize) -> (usize, usize) {
     (threads, row_vectors.div_ceil(threads))
 }
 
-/// The version-2 RMSNorm backward's launch shape, from `SMP_BURN_NORM_BWD`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct NormBwdTuning {
-    /// The largest cube (a multiple of 32 up to 1024; rows longer than eight vectors per
-    /// thread still take more).
-    threads: usize,
-    /// Cubes per SM the grid is sized for.
-    cubes_per_sm: usize,
-    /// Rows per iteration of a cube's row loop (1, 2 or 4).
-    depth: usize,
-}
-
-/// `SMP_BURN_NORM_BWD=threads,cubes_per_sm[,depth]` (for tuning sweeps, read once). Unset or
-/// malformed: [`NORM_BWD_V2_THREADS`], `1024 / threads` (at least 2) cubes per SM, which no
-/// other setting beat by more than noise in a sweep on an H200 (docs/performance.md, call CD),
-/// and [`NORM_BWD_V2_DEPTH`] rows per iteration.
-fn norm_bwd_tuning() -> Option<NormBwdTuning> {
-    static TUNING: std::sync::OnceLock<Option<NormBwdTuning>> = std::sync::OnceLock::new();
-    *TUNING.get_or_init(|| parse_norm_bwd_tuning(&std::env::var("SMP_BURN_NORM_BWD").ok()?))
-}
-
-fn parse_norm_bwd_tuning(v: &str) -> Option<NormBwdTuning> {
-    let mut fields = v.split(',').map(|f| f.trim().parse::<usize>().ok());
-    let threads = fields.next()??.next_multiple_of(32).clamp(32, 1024);
-    let cubes_per_sm = fields.next()??.clamp(1, 64);
-    let depth = match fields.next() {
-        None => NORM_BWD_V2_DEPTH,
-        Some(d) => d.filter(|d| [1, 2, 4].contains(d))?,
-    };
-    fields.next().is_none().then_some(NormBwdTuning {
-        threads,
-        cubes_per_sm,
-        depth,
+/// `SMP_BURN_NORM_BWD=threads,cubes_per_sm` (for tuning sweeps, read once): the largest cube of
+/// the version-2 RMSNorm backward (a multiple of 32 up to 1024; rows longer than eight vectors
+/// per thread still take more) and the cubes per SM its grid is sized for. Unset or malformed:
+/// [`NORM_BWD_V2_THREADS`] and `1024 / threads` (at least 2) cubes per SM, which no other
+/// setting beat by more than noise in a sweep on an H200 (docs/performance.md, call CD).
+fn norm_bwd_tuning() -> Option<(usize, usize)> {
+    static TUNING: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    *TUNING.get_or_init(|| {
+        let v = std::env::var("SMP_BURN_NORM_BWD").ok()?;
+        let (t, c) = v.split_once(',')?;
+        let threads = t
+            .trim()
+            .parse::<usize>()
+            .ok()?
+            .next_multiple_of(32)
+            .clamp(32, 1024);
+        let cubes = c.trim().parse::<usize>().ok()?.clamp(1, 64);
+        Some((threads, cubes))
     })
-}
-
-/// The rows per iteration the version-2 RMSNorm backward runs with: `wanted`, halved until a
-/// thread holds at most [`NORM_BWD_V2_MAX_VECTORS`] vectors of them (at least one row).
-fn norm_bwd_depth(wanted: usize, vectors_per_thread: usize) -> usize {
-    let mut depth = wanted.max(1);
-    while depth > 1 && depth * vectors_per_thread > NORM_BWD_V2_MAX_VECTORS {
-        depth /= 2;
-    }
-    depth
 }
 
 /// The device's SM count, or [`DEFAULT_SMS`].
@@ -1194,15 +1099,11 @@ pub fn rms_norm_backward<R: CubeRuntime>(
     let target_blocks = if legacy {
         NORM_BWD_CUBES
     } else {
-        let per_sm = norm_bwd_tuning().map_or((1024 / threads).max(2), |t| t.cubes_per_sm);
+        let per_sm = norm_bwd_tuning().map_or((1024 / threads).max(2), |(_, cubes)| cubes);
         sm_count(&client) * per_sm
     };
     let rows_per_cube = rows.div_ceil(target_blocks);
     let blocks = rows.div_ceil(rows_per_cube);
-    let depth = norm_bwd_depth(
-        norm_bwd_tuning().map_or(NORM_BWD_V2_DEPTH, |t| t.depth),
-        vpt,
-    );
     let partial = empty_device_contiguous_dtype(
         client.clone(),
         device.clone(),
@@ -1262,7 +1163,6 @@ pub fn rms_norm_backward<R: CubeRuntime>(
                 nv,
                 vpt,
                 threads,
-                depth,
                 want_dw,
                 accumulate,
                 dtype.into(),
@@ -1838,40 +1738,4 @@ pub fn rope_plain(
     let cos = rope_table(cos.into_primitive().tensor());
     let sin = rope_table(sin.into_primitive().tensor());
     wrap(rope_apply(x.into_primitive().tensor(), &cos, &sin, false))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn norm_bwd_tuning_parses_two_or_three_fields() {
-        let t = |threads, cubes_per_sm, depth| {
-            Some(NormBwdTuning {
-                threads,
-                cubes_per_sm,
-                depth,
-            })
-        };
-        assert_eq!(parse_norm_bwd_tuning("512,2"), t(512, 2, NORM_BWD_V2_DEPTH));
-        assert_eq!(parse_norm_bwd_tuning("256, 4, 4"), t(256, 4, 4));
-        assert_eq!(parse_norm_bwd_tuning("100,2,1"), t(128, 2, 1));
-        // A depth the kernel is not built for, extra fields or junk: no tuning at all, as
-        // for an unset variable.
-        assert_eq!(parse_norm_bwd_tuning("512,2,3"), None);
-        assert_eq!(parse_norm_bwd_tuning("512,2,8"), None);
-        assert_eq!(parse_norm_bwd_tuning("512,2,2,2"), None);
-        assert_eq!(parse_norm_bwd_tuning("512"), None);
-        assert_eq!(parse_norm_bwd_tuning("a,2"), None);
-    }
-
-    #[test]
-    fn norm_bwd_depth_keeps_a_threads_rows_within_its_registers() {
-        assert_eq!(norm_bwd_depth(4, 1), 4);
-        assert_eq!(norm_bwd_depth(8, 1), 4);
-        assert_eq!(norm_bwd_depth(4, 2), 2);
-        assert_eq!(norm_bwd_depth(4, 3), 1);
-        assert_eq!(norm_bwd_depth(2, 8), 1);
-        assert_eq!(norm_bwd_depth(0, 1), 1);
-    }
 }
