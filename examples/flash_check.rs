@@ -120,7 +120,7 @@ fn parse_args() -> Args {
                         .split(',')
                         .map(|t| {
                             MmaTiling::parse(t).unwrap_or_else(|| {
-                                panic!("--mma-tiling takes 4x1, 8x1, 4x2, 8x2 (each optionally -cp), a comma-separated list of them, or all, got {t:?}")
+                                panic!("--mma-tiling takes 4x1, 8x1, 4x2, 8x2 (each optionally -cp or -cp-k32), a comma-separated list of them, or all, got {t:?}")
                             })
                         })
                         .collect(),

@@ -139,6 +139,11 @@ pub struct MmaTiling {
     /// (the backward's [`MmaBwdPipe::Async`] mechanism), instead of a register prefetch
     /// (`m_tiles = 1`) or synchronous staging (`m_tiles = 2`) between two barriers.
     pub cp_async: bool,
+    /// Keys per K/V block: [`MMA_KEYS`], or 32 with `cp_async` (the `-k32` suffix). Why 32:
+    /// the score and probability registers of a block halve (64 fewer per lane at
+    /// `m_tiles = 2`), where the 64-key forward sits at 255 registers and spills (session 9,
+    /// call DB), at the cost of twice the barriers and row reductions per key.
+    pub keys: usize,
 }
 
 impl MmaTiling {
@@ -167,7 +172,7 @@ impl MmaTiling {
 
     /// Every supported tiling, for checks and benchmarks; the `cp.async` ones last (as in
     /// [`MmaBwdTiling::ALL`], so that a failure there leaves the others' results printed).
-    pub const ALL: [MmaTiling; 8] = [
+    pub const ALL: [MmaTiling; 12] = [
         MmaTiling::new(4, 1, false),
         MmaTiling::new(8, 1, false),
         MmaTiling::new(4, 2, false),
@@ -176,6 +181,10 @@ impl MmaTiling {
         MmaTiling::new(8, 1, true),
         MmaTiling::new(4, 2, true),
         MmaTiling::new(8, 2, true),
+        MmaTiling::new(4, 1, true).with_keys(32),
+        MmaTiling::new(8, 1, true).with_keys(32),
+        MmaTiling::new(4, 2, true).with_keys(32),
+        MmaTiling::new(8, 2, true).with_keys(32),
     ];
 
     const fn new(warps: usize, m_tiles: usize, cp_async: bool) -> Self {
@@ -183,7 +192,12 @@ impl MmaTiling {
             warps,
             m_tiles,
             cp_async,
+            keys: MMA_KEYS,
         }
+    }
+
+    const fn with_keys(self, keys: usize) -> Self {
+        MmaTiling { keys, ..self }
     }
 
     /// Query rows per cube.
@@ -191,15 +205,20 @@ impl MmaTiling {
         16 * self.warps * self.m_tiles
     }
 
-    /// Parses `WARPSxMTILES[-cp]`, e.g. `4x1` or `8x1-cp`; `None` for anything unsupported.
+    /// Parses `WARPSxMTILES[-cp[-k32]]`, e.g. `4x1`, `8x1-cp` or `4x2-cp-k32`; `None` for
+    /// anything unsupported.
     pub fn parse(s: &str) -> Option<MmaTiling> {
         let s = s.trim();
+        let (s, keys) = match s.strip_suffix("-k32") {
+            Some(rest) => (rest, 32),
+            None => (s, MMA_KEYS),
+        };
         let (shape, cp_async) = match s.strip_suffix("-cp") {
             Some(shape) => (shape, true),
             None => (s, false),
         };
         let (w, m) = shape.split_once('x')?;
-        let tiling = MmaTiling::new(w.parse().ok()?, m.parse().ok()?, cp_async);
+        let tiling = MmaTiling::new(w.parse().ok()?, m.parse().ok()?, cp_async).with_keys(keys);
         Self::ALL.contains(&tiling).then_some(tiling)
     }
 }
@@ -207,7 +226,12 @@ impl MmaTiling {
 impl std::fmt::Display for MmaTiling {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let cp = if self.cp_async { "-cp" } else { "" };
-        write!(f, "{}x{}{cp}", self.warps, self.m_tiles)
+        let keys = if self.keys == MMA_KEYS {
+            String::new()
+        } else {
+            format!("-k{}", self.keys)
+        };
+        write!(f, "{}x{}{cp}{keys}", self.warps, self.m_tiles)
     }
 }
 
@@ -215,8 +239,8 @@ impl std::fmt::Display for MmaTiling {
 static TILING_OVERRIDE: Mutex<Option<MmaTiling>> = Mutex::new(None);
 
 /// The tiling the Mma forward launches with at `head_dim`: the last [`set_mma_tiling`], else
-/// `SMP_BURN_FLASH_MMA_TILING` (`4x1`, `8x1`, `4x2` or `8x2`, each optionally with `-cp`,
-/// e.g. `8x1-cp`), else [`MmaTiling::default_for`] the head dim.
+/// `SMP_BURN_FLASH_MMA_TILING` (`4x1`, `8x1`, `4x2` or `8x2`, each optionally with `-cp` or
+/// `-cp-k32`, e.g. `8x1-cp`), else [`MmaTiling::default_for`] the head dim.
 ///
 /// # Panics
 /// If the environment variable is set to something else (a silent fallback would make a
@@ -229,7 +253,7 @@ pub fn mma_tiling(head_dim: usize) -> MmaTiling {
         Ok(s) => MmaTiling::parse(&s).unwrap_or_else(|| {
             panic!(
                 "SMP_BURN_FLASH_MMA_TILING={s:?}: expected one of 4x1, 8x1, 4x2, 8x2, \
-                 optionally with -cp (e.g. 8x1-cp)"
+                 optionally with -cp or -cp-k32 (e.g. 8x1-cp, 4x2-cp-k32)"
             )
         }),
         Err(_) => MmaTiling::default_for(head_dim),
@@ -596,6 +620,12 @@ fn mma_pv_strip<F: Float, N: Size>(
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
 ) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    // Transposed V loads: lane l supplies key row l % 16, column 8 (l / 16): matrices (keys
+    // 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15) = b0, b1 of
+    // d-tile 2j, then b0, b1 of d-tile 2j + 1.
+    let v_row = lane % 16;
+    let v_col = (lane / 16) * 8;
     #[unroll]
     for kk in 0..comptime!(n_tiles / 2) {
         // A fragment of keys 16 kk .. 16 kk + 16 = accumulators of key n-tiles 2kk, 2kk + 1:
@@ -614,85 +644,22 @@ fn mma_pv_strip<F: Float, N: Size>(
             }
             p_frags.push(pa);
         }
-        mma_pv_kstep::<F, N>(
-            &p_frags, v, v_row0, o, lane, kk, m_tiles, d_tiles, ldt, nv,
-        );
-    }
-}
-
-/// [`mma_pv_strip`] with `P` already rounded to `F` and packed in pairs: `pk[(mt * n_tiles +
-/// nt) * 2 + h]` is vector `h` of accumulator fragment (mt, nt). Why: the forward then holds
-/// the block's probabilities in half the registers (its 8x2 tiling spilled at 255 registers
-/// with the f32 copy, session 9 call DB).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn mma_pv_packed<F: Float, N: Size>(
-    pk: &Array<Vector<F, Const<2>>>,
-    v: &SharedMemory<Vector<F, N>>,
-    v_row0: usize,
-    o: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    lane: usize,
-    #[comptime] m_tiles: usize,
-    #[comptime] n_tiles: usize,
-    #[comptime] d_tiles: usize,
-    #[comptime] ldt: usize,
-    #[comptime] nv: usize,
-) {
-    #[unroll]
-    for kk in 0..comptime!(n_tiles / 2) {
-        let mut p_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
         #[unroll]
-        for mt in 0..m_tiles {
-            let mut pa = Array::<Vector<F, Const<2>>>::new(4usize);
+        for dp in 0..comptime!(d_tiles / 2) {
+            let b4 = ldsm_x4::<F, N>(
+                v,
+                (v_row0 + 16 * kk + v_row) * ldt + 16 * dp + v_col,
+                nv,
+                true,
+            );
+            let b_lo = frag_pair::<F>(&b4, 0usize);
+            let b_hi = frag_pair::<F>(&b4, 2usize);
             #[unroll]
-            for j in 0..4usize {
-                pa[j] = pk[comptime!((mt * n_tiles + 2 * kk + j / 2) * 2 + j % 2)];
+            for mt in 0..m_tiles {
+                let pf = p_frags.index(mt);
+                def.execute_inplace(pf, &b_lo, o.index_mut(comptime!(mt * d_tiles + 2 * dp)));
+                def.execute_inplace(pf, &b_hi, o.index_mut(comptime!(mt * d_tiles + 2 * dp + 1)));
             }
-            p_frags.push(pa);
-        }
-        mma_pv_kstep::<F, N>(
-            &p_frags, v, v_row0, o, lane, kk, m_tiles, d_tiles, ldt, nv,
-        );
-    }
-}
-
-/// One 16-key step `kk` of `O += P V`: `p_frags[mt]` is the A fragment of m-tile `mt` for keys
-/// `16 kk .. 16 kk + 16` (see [`mma_pv_strip`] for the layouts).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn mma_pv_kstep<F: Float, N: Size>(
-    p_frags: &Sequence<Array<Vector<F, Const<2>>>>,
-    v: &SharedMemory<Vector<F, N>>,
-    v_row0: usize,
-    o: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    lane: usize,
-    #[comptime] kk: usize,
-    #[comptime] m_tiles: usize,
-    #[comptime] d_tiles: usize,
-    #[comptime] ldt: usize,
-    #[comptime] nv: usize,
-) {
-    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    // Transposed V loads: lane l supplies key row l % 16, column 8 (l / 16): matrices (keys
-    // 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15) = b0, b1 of
-    // d-tile 2j, then b0, b1 of d-tile 2j + 1.
-    let v_row = lane % 16;
-    let v_col = (lane / 16) * 8;
-    #[unroll]
-    for dp in 0..comptime!(d_tiles / 2) {
-        let b4 = ldsm_x4::<F, N>(
-            v,
-            (v_row0 + 16 * kk + v_row) * ldt + 16 * dp + v_col,
-            nv,
-            true,
-        );
-        let b_lo = frag_pair::<F>(&b4, 0usize);
-        let b_hi = frag_pair::<F>(&b4, 2usize);
-        #[unroll]
-        for mt in 0..m_tiles {
-            let pf = p_frags.index(mt);
-            def.execute_inplace(pf, &b_lo, o.index_mut(comptime!(mt * d_tiles + 2 * dp)));
-            def.execute_inplace(pf, &b_hi, o.index_mut(comptime!(mt * d_tiles + 2 * dp + 1)));
         }
     }
 }
@@ -810,7 +777,7 @@ fn fwd_block<F: Float, N: Size>(
     c_lo: usize,
     scale: f32,
     s_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    pk: &mut Array<Vector<F, Const<2>>>,
+    p: &mut Array<f32>,
     m_run: &mut Array<f32>,
     l_run: &mut Array<f32>,
     o_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
@@ -836,24 +803,24 @@ fn fwd_block<F: Float, N: Size>(
             }
             let row = row0 + 16 * mt + r;
             let si = comptime!(mt * 2 + hh);
-            // Raw scores of this row (scale > 0, so the max commutes with it); masked ones are
-            // written back as -1e30, so the exponentials below see them.
+            // Raw scores of this row (scale > 0, so the max commutes with it).
             let mut mx = f32::new(-1.0e30);
             #[unroll]
             for nt in 0..n_tiles {
-                let frag = s_acc.index_mut(comptime!(mt * n_tiles + nt));
-                let mut pair = frag[hh];
-                if masked {
-                    #[unroll]
-                    for e in 0..2usize {
+                let frag = s_acc.index(comptime!(mt * n_tiles + nt));
+                let pair = frag[hh];
+                #[unroll]
+                for e in 0..2usize {
+                    let mut sv = pair[e];
+                    if masked {
                         let key = k0 + 8 * nt + c_lo + e;
                         if key > row {
-                            pair[e] = f32::new(-1.0e30);
+                            sv = f32::new(-1.0e30);
                         }
                     }
-                    frag[hh] = pair;
+                    p[comptime!(((mt * n_tiles + nt) * 2 + hh) * 2 + e)] = sv;
+                    mx = f32::max(mx, sv);
                 }
-                mx = f32::max(mx, f32::max(pair[0], pair[1]));
             }
             mx = f32::max(mx, plane_shuffle_xor(mx, 1u32));
             mx = f32::max(mx, plane_shuffle_xor(mx, 2u32));
@@ -863,15 +830,11 @@ fn fwd_block<F: Float, N: Size>(
             m_run[si] = m_new;
             let mut lsum = f32::new(0.0);
             #[unroll]
-            for nt in 0..n_tiles {
-                let pair = s_acc.index(comptime!(mt * n_tiles + nt))[hh];
-                let p0 = (pair[0] * scale - m_new).exp();
-                let p1 = (pair[1] * scale - m_new).exp();
-                lsum += p0 + p1;
-                let mut packed = Vector::<F, Const<2>>::empty();
-                packed[0] = F::cast_from(p0);
-                packed[1] = F::cast_from(p1);
-                pk[comptime!((mt * n_tiles + nt) * 2 + hh)] = packed;
+            for j in 0..comptime!(2 * n_tiles) {
+                let idx = comptime!(((mt * n_tiles + j / 2) * 2 + hh) * 2 + j % 2);
+                let pe = (p[idx] * scale - m_new).exp();
+                p[idx] = pe;
+                lsum += pe;
             }
             l_run[si] = l_run[si] * alpha + lsum;
             let alpha_v = Vector::<f32, Const<2>>::new(alpha);
@@ -882,8 +845,8 @@ fn fwd_block<F: Float, N: Size>(
             }
         }
     }
-    mma_pv_packed::<F, N>(
-        pk, vs, krow0, o_acc, lane, m_tiles, n_tiles, d_tiles, ldt, nv,
+    mma_pv_strip::<F, N>(
+        p, vs, krow0, o_acc, lane, m_tiles, n_tiles, d_tiles, ldt, nv,
     );
 }
 
@@ -1027,8 +990,7 @@ fn flash_fwd_mma<F: Float, N: Size>(
 
     let mut o_acc = zero_frags(comptime!(m_tiles * d / 8));
     let mut s_acc = zero_frags(comptime!(m_tiles * MMA_KEYS / 8));
-    // The block's probabilities, rounded to `F` in pairs (see `mma_pv_packed`).
-    let mut pk = Array::<Vector<F, Const<2>>>::new(comptime!(m_tiles * MMA_KEYS / 4));
+    let mut p = Array::<f32>::new(comptime!(m_tiles * MMA_KEYS / 2));
     // Running max (of scaled scores) and this lane's partial running sum, per (m-tile, half).
     let mut m_run = Array::<f32>::new(comptime!(2 * m_tiles));
     let mut l_run = Array::<f32>::new(comptime!(2 * m_tiles));
@@ -1095,7 +1057,7 @@ fn flash_fwd_mma<F: Float, N: Size>(
         if k0 < row0 + rows_w {
             fwd_block::<F, N>(
                 &qs, &ks, &vs, 0usize, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
-                &mut pk, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
+                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
                 ldt, nv,
             );
         }
@@ -1132,14 +1094,15 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] warps: usize,
     #[comptime] m_tiles: usize,
+    #[comptime] keys: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let rows_w = comptime!(16 * m_tiles);
     let bq = comptime!(16 * m_tiles * warps);
-    let bk = comptime!(MMA_KEYS);
+    let bk = comptime!(keys);
     let nthreads = comptime!(32 * warps);
     let ldt = comptime!(d + 8);
-    let n_tiles = comptime!(MMA_KEYS / 8);
+    let n_tiles = comptime!(keys / 8);
     let d_tiles = comptime!(d / 8);
     let k_steps = comptime!(d / 16);
 
@@ -1167,11 +1130,11 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
     let v_rs = v.stride(2) / nv;
 
     let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * ldt / nv), 128usize);
-    // Two halves of MMA_KEYS rows each.
+    // Two halves of `keys` rows each.
     let mut ks =
-        SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * MMA_KEYS * ldt / nv), 128usize);
+        SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * keys * ldt / nv), 128usize);
     let mut vs =
-        SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * MMA_KEYS * ldt / nv), 128usize);
+        SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * keys * ldt / nv), 128usize);
 
     // One phase per key block; created before any copy is issued.
     let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
@@ -1196,9 +1159,8 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
     );
 
     let mut o_acc = zero_frags(comptime!(m_tiles * d / 8));
-    let mut s_acc = zero_frags(comptime!(m_tiles * MMA_KEYS / 8));
-    // The block's probabilities, rounded to `F` in pairs (see `mma_pv_packed`).
-    let mut pk = Array::<Vector<F, Const<2>>>::new(comptime!(m_tiles * MMA_KEYS / 4));
+    let mut s_acc = zero_frags(comptime!(m_tiles * keys / 8));
+    let mut p = Array::<f32>::new(comptime!(m_tiles * keys / 2));
     let mut m_run = Array::<f32>::new(comptime!(2 * m_tiles));
     let mut l_run = Array::<f32>::new(comptime!(2 * m_tiles));
     #[unroll]
@@ -1243,7 +1205,7 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
         if k0 < row0 + rows_w {
             fwd_block::<F, N>(
                 &qs, &ks, &vs, krow0, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
-                &mut pk, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
+                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
                 ldt, nv,
             );
         }
@@ -1317,6 +1279,7 @@ pub(super) fn launch_forward<R: CubeRuntime>(
                 nv,
                 tiling.warps,
                 tiling.m_tiles,
+                tiling.keys,
                 dtype.into(),
             );
         } else {
@@ -3276,5 +3239,11 @@ mod tests {
         for tiling in MmaTiling::ALL {
             assert_eq!(MmaTiling::parse(&tiling.to_string()), Some(tiling));
         }
+        let short = MmaTiling::parse("4x2-cp-k32").expect("listed");
+        assert_eq!((short.warps, short.m_tiles, short.keys), (4, 2, 32));
+        assert!(short.cp_async);
+        // 32-key blocks exist only with the cp.async pipeline.
+        assert_eq!(MmaTiling::parse("4x2-k32"), None);
+        assert_eq!(MmaTiling::parse("4x2-cp-k16"), None);
     }
 }
