@@ -837,17 +837,11 @@ fn fwd_block<F: Float, N: Size>(
                 lsum += pe;
             }
             l_run[si] = l_run[si] * alpha + lsum;
-            // Rescale O only if one of the warp's eight rows here found a new maximum. Once
-            // the running maxima settle (most blocks of a long row), `alpha` is exactly 1 for
-            // all of them, the 2 * d_tiles multiplications per lane would change nothing, and
-            // the warp-uniform branch skips them: the results stay bit for bit the same.
-            if plane_any(m_new > m_old) {
-                let alpha_v = Vector::<f32, Const<2>>::new(alpha);
-                #[unroll]
-                for dt in 0..d_tiles {
-                    let frag = o_acc.index_mut(comptime!(mt * d_tiles + dt));
-                    frag[hh] = frag[hh] * alpha_v;
-                }
+            let alpha_v = Vector::<f32, Const<2>>::new(alpha);
+            #[unroll]
+            for dt in 0..d_tiles {
+                let frag = o_acc.index_mut(comptime!(mt * d_tiles + dt));
+                frag[hh] = frag[hh] * alpha_v;
             }
         }
     }
