@@ -757,7 +757,9 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
 
 /// One key block of the forward kernels for one warp's `16 * m_tiles` query rows (first row
 /// `row0`, row `wrow` of `qs`): `S = Q K^T`, the online softmax on the accumulators (the causal
-/// mask only on blocks that reach past the warp's first row), then `O += P V`. The block's
+/// mask only on blocks that reach past the warp's first row, and only compiled in with
+/// `causal_mask`, which the kernels leave off for blocks no row of the cube reaches past), then
+/// `O += P V`. The block's
 /// first key is `k0`; its K and V rows start at row `krow0` of `ks` and `vs` (0, or the second
 /// half of a double buffer). Shared by [`flash_fwd_mma`] and `flash_fwd_mma_cp`, which only
 /// differ in how the K/V tiles get to shared memory.
@@ -787,6 +789,7 @@ fn fwd_block<F: Float, N: Size>(
     #[comptime] k_steps: usize,
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
+    #[comptime] causal_mask: bool,
 ) {
     mma_abt_strip::<F, N>(
         qs, wrow, ks, krow0, s_acc, lane, m_tiles, n_tiles, k_steps, ldt, nv,
@@ -812,10 +815,12 @@ fn fwd_block<F: Float, N: Size>(
                 #[unroll]
                 for e in 0..2usize {
                     let mut sv = pair[e];
-                    if masked {
-                        let key = k0 + 8 * nt + c_lo + e;
-                        if key > row {
-                            sv = f32::new(-1.0e30);
+                    if comptime!(causal_mask) {
+                        if masked {
+                            let key = k0 + 8 * nt + c_lo + e;
+                            if key > row {
+                                sv = f32::new(-1.0e30);
+                            }
                         }
                     }
                     p[comptime!(((mt * n_tiles + nt) * 2 + hh) * 2 + e)] = sv;
@@ -1053,12 +1058,22 @@ fn flash_fwd_mma<F: Float, N: Size>(
             }
         }
 
-        // Warps whose rows all precede the block see none of its keys (warp-uniform).
-        if k0 < row0 + rows_w {
+        // Blocks that end at or before the cube's first query (all but the last few of a
+        // long row) need no causal mask: a copy of the block code without the mask's compares
+        // and selects, which the compiler otherwise predicates into every block (call DF's
+        // SASS: 64 ISETP + 64 FSEL per lane and block).
+        if k0 + bk <= q0 + 1 {
             fwd_block::<F, N>(
                 &qs, &ks, &vs, 0usize, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
                 &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
-                ldt, nv,
+                ldt, nv, false,
+            );
+        } else if k0 < row0 + rows_w {
+            // Warps whose rows all precede the block see none of its keys (warp-uniform).
+            fwd_block::<F, N>(
+                &qs, &ks, &vs, 0usize, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
+                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
+                ldt, nv, true,
             );
         }
     }
@@ -1201,12 +1216,22 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
                 nthreads,
             );
         }
-        // Warps whose rows all precede the block see none of its keys (warp-uniform).
-        if k0 < row0 + rows_w {
+        // Blocks that end at or before the cube's first query (all but the last few of a
+        // long row) need no causal mask: a copy of the block code without the mask's compares
+        // and selects, which the compiler otherwise predicates into every block (call DF's
+        // SASS: 64 ISETP + 64 FSEL per lane and block).
+        if k0 + bk <= q0 + 1 {
             fwd_block::<F, N>(
                 &qs, &ks, &vs, krow0, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
                 &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
-                ldt, nv,
+                ldt, nv, false,
+            );
+        } else if k0 < row0 + rows_w {
+            // Warps whose rows all precede the block see none of its keys (warp-uniform).
+            fwd_block::<F, N>(
+                &qs, &ks, &vs, krow0, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
+                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
+                ldt, nv, true,
             );
         }
     }
