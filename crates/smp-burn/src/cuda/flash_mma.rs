@@ -1590,7 +1590,6 @@ fn dkdv_block<F: Float, N: Size>(
     #[comptime] k_steps: usize,
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
-    #[comptime] causal_mask: bool,
 ) {
     // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys: rows are keys, columns
     // queries, in the accumulator layout.
@@ -1623,10 +1622,8 @@ fn dkdv_block<F: Float, N: Size>(
                 let s_pair = s_frag[hh2];
                 let dp_pair = dp_frag[hh2];
                 let mut pe = (s_pair[e] * scale - lse_q).exp();
-                if comptime!(causal_mask) {
-                    if masked && key > qi {
-                        pe = f32::new(0.0);
-                    }
+                if masked && key > qi {
+                    pe = f32::new(0.0);
                 }
                 let idx = comptime!((nt * 2 + hh2) * 2 + e);
                 p[idx] = pe;
@@ -1749,7 +1746,6 @@ fn dq_block<F: Float, N: Size>(
     #[comptime] k_steps: usize,
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
-    #[comptime] causal_mask: bool,
 ) {
     mma_abt_strip::<F, N>(
         qs, wrow, ks, krow0, s_acc, lane, 1usize, n_tiles, k_steps, ldt, nv,
@@ -1775,12 +1771,10 @@ fn dq_block<F: Float, N: Size>(
             #[unroll]
             for e in 0..2usize {
                 let mut pe = (s_pair[e] * scale - lse_v).exp();
-                if comptime!(causal_mask) {
-                    if masked {
-                        let key = k0 + 8 * nt + c_lo + e;
-                        if key > row {
-                            pe = f32::new(0.0);
-                        }
+                if masked {
+                    let key = k0 + 8 * nt + c_lo + e;
+                    if key > row {
+                        pe = f32::new(0.0);
                     }
                 }
                 ds[comptime!((nt * 2 + hh) * 2 + e)] = pe * (dp_pair[e] - delta_v);
@@ -2027,8 +2021,7 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
 
             // Warps whose keys all follow the block's last query see none of it
             // (warp-uniform).
-            // No key of the cube follows the block's first query: no causal mask (see the forward).
-            if k0 + bk <= q0 + 1 {
+            if wk0 < q0 + bq {
                 dkdv_block::<F, N>(
                     &ks,
                     &vs,
@@ -2056,37 +2049,6 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
                     k_steps,
                     ldt,
                     nv,
-                    false,
-                );
-            } else if wk0 < q0 + bq {
-                dkdv_block::<F, N>(
-                    &ks,
-                    &vs,
-                    &qs,
-                    &dos,
-                    &lse_s,
-                    &delta_s,
-                    0usize,
-                    q0,
-                    wrow,
-                    wk0,
-                    lane,
-                    r_lo,
-                    r_hi,
-                    c_lo,
-                    scale,
-                    &mut s_acc,
-                    &mut dp_acc,
-                    &mut p,
-                    &mut ds,
-                    &mut dk_acc,
-                    &mut dv_acc,
-                    q_tiles,
-                    d_tiles,
-                    k_steps,
-                    ldt,
-                    nv,
-                    true,
                 );
             } else {
                 // Inactive warps contribute zero rows to the block's dS (fused dQ).
@@ -2341,8 +2303,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 nthreads,
             );
         }
-        // No key of the cube follows the block's first query: no causal mask (see the forward).
-        if k0 + bk <= q0 + 1 {
+        if wk0 < q0 + bq {
             dkdv_block::<F, N>(
                 &ks,
                 &vs,
@@ -2370,37 +2331,6 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 k_steps,
                 ldt,
                 nv,
-                false,
-            );
-        } else if wk0 < q0 + bq {
-            dkdv_block::<F, N>(
-                &ks,
-                &vs,
-                &qs,
-                &dos,
-                &lse_s,
-                &delta_s,
-                qrow0,
-                q0,
-                wrow,
-                wk0,
-                lane,
-                r_lo,
-                r_hi,
-                c_lo,
-                scale,
-                &mut s_acc,
-                &mut dp_acc,
-                &mut p,
-                &mut ds,
-                &mut dk_acc,
-                &mut dv_acc,
-                q_tiles,
-                d_tiles,
-                k_steps,
-                ldt,
-                nv,
-                true,
             );
         } else if comptime!(fused) {
             // Inactive warps contribute zero rows to the block's dS.
@@ -2585,8 +2515,7 @@ fn flash_bwd_dq_mma<F: Float, N: Size>(
         }
 
         // Warps whose rows all precede the block see none of its keys (warp-uniform).
-        // No row of the cube precedes the block's last key: no causal mask (see the forward).
-        if k0 + bk <= q0 + 1 {
+        if k0 < row0 + 16 {
             dq_block::<F, N>(
                 &qs,
                 &dos,
@@ -2612,35 +2541,6 @@ fn flash_bwd_dq_mma<F: Float, N: Size>(
                 k_steps,
                 ldt,
                 nv,
-                false,
-            );
-        } else if k0 < row0 + 16 {
-            dq_block::<F, N>(
-                &qs,
-                &dos,
-                &ks,
-                &vs,
-                0usize,
-                k0,
-                wrow,
-                row0,
-                lane,
-                r_lo,
-                r_hi,
-                c_lo,
-                &lse_r,
-                &delta_r,
-                scale,
-                &mut s_acc,
-                &mut dp_acc,
-                &mut ds,
-                &mut dq_acc,
-                n_tiles,
-                d_tiles,
-                k_steps,
-                ldt,
-                nv,
-                true,
             );
         }
     }
@@ -2790,8 +2690,7 @@ fn flash_bwd_dq_mma_cp<F: Float, N: Size>(
                 nthreads,
             );
         }
-        // No row of the cube precedes the block's last key: no causal mask (see the forward).
-        if k0 + bk <= q0 + 1 {
+        if k0 < row0 + 16 {
             dq_block::<F, N>(
                 &qs,
                 &dos,
@@ -2817,35 +2716,6 @@ fn flash_bwd_dq_mma_cp<F: Float, N: Size>(
                 k_steps,
                 ldt,
                 nv,
-                false,
-            );
-        } else if k0 < row0 + 16 {
-            dq_block::<F, N>(
-                &qs,
-                &dos,
-                &ks,
-                &vs,
-                krow0,
-                k0,
-                wrow,
-                row0,
-                lane,
-                r_lo,
-                r_hi,
-                c_lo,
-                &lse_r,
-                &delta_r,
-                scale,
-                &mut s_acc,
-                &mut dp_acc,
-                &mut ds,
-                &mut dq_acc,
-                n_tiles,
-                d_tiles,
-                k_steps,
-                ldt,
-                nv,
-                true,
             );
         }
     }
