@@ -2,7 +2,8 @@
 # Runs from the repository root on the device machine with .gpu/ holding the stripped, gzipped
 # binaries (flash_check, llama2_train), torch_attn.py, small.txt and tok2048.json (see
 # docs/performance.md, session 9).
-# Branch flash-bwd-mask-split (not on main: no device time was left to check it).
+# Needs scripts/gpu/flash_bwd_mask_split.patch applied first (`git apply`; not on main: no device
+# time was left to check it in session 9), then the build of docs/performance.md.
 # Call DH (1 x H200): the flash backward kernels with an unmasked copy of the block code for
 # blocks that need no causal mask (as call DG did for the forward): checks on both pipelines and
 # both dQ schemes, benches against PyTorch's flash in the same call, 1b losses against call DG's.
