@@ -150,14 +150,16 @@ impl MmaTiling {
     /// 8 warps of 2 x 16 rows (256 query rows per cube), K/V by `cp.async`: the fastest forward
     /// on an H200 (session 4 call W, causal hd 128): 219 TFLOP/s at S = 4096 and 262 at 16384,
     /// where the register-prefetching 8x1 (the previous default) gives 170-176 / 190 and the
-    /// other `-cp` tilings 191-209 at 4096.
+    /// other `-cp` tilings 191-209 at 4096. With the unmasked block copy (session 9 call DG):
+    /// 245 / 294 TFLOP/s, against PyTorch's flash forward 263 / 333 in the same call.
     pub const DEFAULT: MmaTiling = MmaTiling::new(8, 2, true);
 
     /// The default at head dim 64 (the 1b preset's): 4 warps of 2 x 16 rows with `cp.async`,
     /// 207 TFLOP/s causal at S = 4096 on an H200 where [`MmaTiling::DEFAULT`] gives 195 and the
     /// other tilings 132-197 (session 6 call BA, `flash_check --head-dim 64`; PyTorch's flash
     /// forward 220 in the same call). Half the head dim halves the work per staged K/V block,
-    /// so smaller cubes (more of them per SM) hide the copies better.
+    /// so smaller cubes (more of them per SM) hide the copies better. Session 9 call DG: 223
+    /// TFLOP/s at 4096 (PyTorch 218) and 278 at 16384 (PyTorch 298).
     pub const DEFAULT_HD64: MmaTiling = MmaTiling::new(4, 2, true);
 
     /// The default for `head_dim`: [`MmaTiling::DEFAULT_HD64`] at 64, else
