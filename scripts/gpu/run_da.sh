@@ -4,14 +4,8 @@
 # small.txt and tok2048.json (see docs/performance.md, session 8). The offloading half is run_db.sh.
 # Call DA (1 x H200): flash backward with fused atomic dQ on the cp.async pipeline (new -atomic-cp tilings):
 # checks, then hd 128 / 64 benches at B=1 and torch_micro's batches, against PyTorch's flash in the same call.
-exec 2>&1
-stamp() { echo "=== $(date +%T) $*"; }
-for l in libnvrtc.so libcublasLt.so libcublas.so libnccl.so; do
-  d=$(dirname "$(find / -name "$l*" -not -path '*/proc/*' 2>/dev/null | grep -v stubs | head -1)")
-  export LD_LIBRARY_PATH=$d:$LD_LIBRARY_PATH
-done
-G=$PWD/.gpu; cd $G
-for b in flash_check; do gunzip -c $b.gz > $b; chmod +x $b; done
+source "$(dirname "$0")/common.sh"
+gpu_setup flash_check
 export SMP_BURN_CACHE_DIR=$OUT/kc CUDA_VISIBLE_DEVICES=0
 BW=4x32-atomic-cp-vd,8x32-atomic-cp-vd,4x64-atomic-cp-vd,8x64-atomic-cp-vd,4x64-split-cp-vd
 stamp check

@@ -6,14 +6,8 @@
 # warp stalls; ptxas registers and spills), the RMSNorm backward with 1, 2 and 4 rows per
 # iteration (checks, then a sweep), activation offloading on CUDA (round trips, copy bandwidth),
 # and 7B with every layer recomputed, with and without offloading.
-exec 2>&1
-stamp() { echo "=== $(date +%T) $*"; }
-for l in libnvrtc.so libcublasLt.so libcublas.so libnccl.so; do
-  d=$(dirname "$(find / -name "$l*" -not -path '*/proc/*' 2>/dev/null | grep -v stubs | head -1)")
-  export LD_LIBRARY_PATH=$d:$LD_LIBRARY_PATH
-done
-G=$PWD/.gpu; cd $G
-for b in flash_check fused_check kernel_bench llama2_train; do gunzip -c $b.gz > $b; chmod +x $b; done
+source "$(dirname "$0")/common.sh"
+gpu_setup flash_check fused_check kernel_bench llama2_train
 export SMP_BURN_CACHE_DIR=$OUT/kc CUDA_VISIBLE_DEVICES=0
 NCU=$(command -v ncu || find / -name ncu -type f -not -path "*/proc/*" 2>/dev/null | head -1)
 stamp "flash kernels under ncu ($NCU)"

@@ -5,14 +5,8 @@
 # Call DC (1 x H200): the flash forward with packed probabilities (registers and spills, checks,
 # benches against PyTorch's flash in the same call), the reload as one pinned asynchronous copy
 # (round trips, bandwidth), and 7B with every layer recomputed, with and without offloading.
-exec 2>&1
-stamp() { echo "=== $(date +%T) $*"; }
-for l in libnvrtc.so libcublasLt.so libcublas.so libnccl.so; do
-  d=$(dirname "$(find / -name "$l*" -not -path '*/proc/*' 2>/dev/null | grep -v stubs | head -1)")
-  export LD_LIBRARY_PATH=$d:$LD_LIBRARY_PATH
-done
-G=$PWD/.gpu; cd $G
-for b in flash_check kernel_bench llama2_train; do gunzip -c $b.gz > $b; chmod +x $b; done
+source "$(dirname "$0")/common.sh"
+gpu_setup flash_check kernel_bench llama2_train
 export SMP_BURN_CACHE_DIR=$OUT/kc CUDA_VISIBLE_DEVICES=0
 BW=4x64-split-cp-vd
 stamp check every forward tiling

@@ -5,14 +5,8 @@
 # Call DD (1 x H200): the flash forward with 32-key blocks (-k32 tilings): registers and spills,
 # checks, benches against PyTorch's flash in the same call; then 1b end to end (default forward
 # tiling and the best -k32 one) against PyTorch eager and torch.compile in the same call.
-exec 2>&1
-stamp() { echo "=== $(date +%T) $*"; }
-for l in libnvrtc.so libcublasLt.so libcublas.so libnccl.so; do
-  d=$(dirname "$(find / -name "$l*" -not -path '*/proc/*' 2>/dev/null | grep -v stubs | head -1)")
-  export LD_LIBRARY_PATH=$d:$LD_LIBRARY_PATH
-done
-G=$PWD/.gpu; cd $G
-for b in flash_check llama2_train; do gunzip -c $b.gz > $b; chmod +x $b; done
+source "$(dirname "$0")/common.sh"
+gpu_setup flash_check llama2_train
 export SMP_BURN_CACHE_DIR=$OUT/kc CUDA_VISIBLE_DEVICES=0
 BW=4x64-split-cp-vd
 FW=8x2-cp,4x2-cp,8x2-cp-k32,4x2-cp-k32,8x1-cp-k32,4x1-cp-k32

@@ -5,14 +5,8 @@
 # 4x64-split-cp-vd backward) and of the RMSNorm backward, for an instruction mix read offline:
 # the forward issues about 5 other instructions per MMA (call DB's ncu), and which ones is the
 # next question.
-exec 2>&1
-stamp() { echo "=== $(date +%T) $*"; }
-for l in libnvrtc.so libcublasLt.so libcublas.so libnccl.so; do
-  d=$(dirname "$(find / -name "$l*" -not -path '*/proc/*' 2>/dev/null | grep -v stubs | head -1)")
-  export LD_LIBRARY_PATH=$d:$LD_LIBRARY_PATH
-done
-G=$PWD/.gpu; cd $G
-for b in flash_check fused_check; do gunzip -c $b.gz > $b; chmod +x $b; done
+source "$(dirname "$0")/common.sh"
+gpu_setup flash_check fused_check
 export SMP_BURN_CACHE_DIR=/tmp/kc CUDA_VISIBLE_DEVICES=0
 stamp populate the kernel cache
 timeout -s KILL 60 ./flash_check --no-check --variant mma --mma-tiling 8x2-cp --mma-bwd-tiling 4x64-split-cp-vd --lens 4096 --iters 2 2>&1 | grep -E "^bench|panic|rror" | cut -c1-200

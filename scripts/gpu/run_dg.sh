@@ -5,14 +5,8 @@
 # Call DG (1 x H200): the flash forward with an unmasked copy of the block code for blocks no
 # row of the cube reaches past: checks, benches against PyTorch's flash in the same call, the
 # forward's SASS, then 1b end to end against torch.compile in the same call.
-exec 2>&1
-stamp() { echo "=== $(date +%T) $*"; }
-for l in libnvrtc.so libcublasLt.so libcublas.so libnccl.so; do
-  d=$(dirname "$(find / -name "$l*" -not -path '*/proc/*' 2>/dev/null | grep -v stubs | head -1)")
-  export LD_LIBRARY_PATH=$d:$LD_LIBRARY_PATH
-done
-G=$PWD/.gpu; cd $G
-for b in flash_check llama2_train; do gunzip -c $b.gz > $b; chmod +x $b; done
+source "$(dirname "$0")/common.sh"
+gpu_setup flash_check llama2_train
 export SMP_BURN_CACHE_DIR=/tmp/kc CUDA_VISIBLE_DEVICES=0
 BW=4x64-split-cp-vd
 stamp check every forward tiling

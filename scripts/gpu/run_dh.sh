@@ -7,14 +7,8 @@
 # Call DH (1 x H200): the flash backward kernels with an unmasked copy of the block code for
 # blocks that need no causal mask (as call DG did for the forward): checks on both pipelines and
 # both dQ schemes, benches against PyTorch's flash in the same call, 1b losses against call DG's.
-exec 2>&1
-stamp() { echo "=== $(date +%T) $*"; }
-for l in libnvrtc.so libcublasLt.so libcublas.so libnccl.so; do
-  d=$(dirname "$(find / -name "$l*" -not -path '*/proc/*' 2>/dev/null | grep -v stubs | head -1)")
-  export LD_LIBRARY_PATH=$d:$LD_LIBRARY_PATH
-done
-G=$PWD/.gpu; cd $G
-for b in flash_check llama2_train; do gunzip -c $b.gz > $b; chmod +x $b; done
+source "$(dirname "$0")/common.sh"
+gpu_setup flash_check llama2_train
 export SMP_BURN_CACHE_DIR=/tmp/kc CUDA_VISIBLE_DEVICES=0
 stamp check
 timeout -s KILL 100 ./flash_check --quick --variant mma --mma-tiling 8x2-cp --mma-bwd-tiling 4x64-split-cp-vd,4x64-split,8x64-split-pf-vd,8x64-atomic-cp-vd,8x64-atomic --no-bench 2>&1 | grep -E "FAIL|panic|rror|passed|checks" | cut -c1-220 | tail -6

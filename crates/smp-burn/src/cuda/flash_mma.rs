@@ -761,9 +761,8 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
 /// `row0`, row `wrow` of `qs`): `S = Q K^T`, the online softmax on the accumulators (the causal
 /// mask only on blocks that reach past the warp's first row, and only compiled in with
 /// `causal_mask`, which the kernels leave off for blocks no row of the cube reaches past), then
-/// `O += P V`. The block's
-/// first key is `k0`; its K and V rows start at row `krow0` of `ks` and `vs` (0, or the second
-/// half of a double buffer). Shared by [`flash_fwd_mma`] and `flash_fwd_mma_cp`, which only
+/// `O += P V`. The block's first key is `k0`; its K and V rows start at row `krow0` of `ks` and
+/// `vs` (0, or the second half of a double buffer). Shared by [`flash_fwd_mma`] and `flash_fwd_mma_cp`, which only
 /// differ in how the K/V tiles get to shared memory.
 #[cube]
 #[allow(clippy::too_many_arguments)]
