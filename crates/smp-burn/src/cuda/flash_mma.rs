@@ -765,7 +765,9 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
 /// `vs` (0, or the second half of a double buffer). Shared by [`flash_fwd_mma`] and `flash_fwd_mma_cp`, which only
 /// differ in how the K/V tiles get to shared memory.
 #[cube]
-#[allow(clippy::too_many_arguments)]
+// `if comptime!(..) { if runtime {..} }` stays nested: the outer branch is resolved at
+// expansion, the inner one is emitted.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn fwd_block<F: Float, N: Size>(
     qs: &SharedMemory<Vector<F, N>>,
     ks: &SharedMemory<Vector<F, N>>,
