@@ -23,7 +23,6 @@ use std::any::TypeId;
 
 use burn::tensor::{DType, Shape, Tensor, TensorData, TensorPrimitive, backend::Backend};
 use burn_cubecl::kernel::into_contiguous;
-use cubecl::cuda::CudaDevice;
 
 use crate::cuda::CudaCube;
 use crate::error::SmpError;
@@ -40,9 +39,9 @@ pub struct HostActivation<B: Backend, const D: usize> {
 
 enum State {
     /// The CUDA copy is queued; its future holds the device buffer until it is waited for.
-    Copying(BytesFuture, CudaDevice),
-    /// The values are in (pinned) host memory, to go back to this CUDA device.
-    CudaHost(cubecl::bytes::Bytes, CudaDevice),
+    Copying(BytesFuture),
+    /// The values are in (pinned) host memory, to go back to the CUDA device they came from.
+    CudaHost(cubecl::bytes::Bytes),
     /// The values are in host memory (backends other than CUDA).
     Host(TensorData),
     /// Placeholder while the state moves (never observed outside a method).
@@ -80,8 +79,7 @@ pub fn offload<B: Backend, const D: usize>(
         let t: Tensor<CudaCube, D> = crate::fast::same(t);
         let prim = into_contiguous(t.into_primitive().tensor());
         let bytes = prim.meta.num_elements() * dtype.size();
-        let cuda_device = prim.device.clone();
-        State::Copying(queue_cuda_read(prim, bytes)?, cuda_device)
+        State::Copying(queue_cuda_read(prim, bytes)?)
     } else {
         State::Host(t.into_data())
     };
@@ -101,8 +99,7 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
     /// If the device reports a failure of the copy or of the work before it.
     pub fn settle(&mut self) -> Result<(), SmpError> {
         if let State::Copying(..) = self.state {
-            let State::Copying(fut, cuda_device) = std::mem::replace(&mut self.state, State::Moved)
-            else {
+            let State::Copying(fut) = std::mem::replace(&mut self.state, State::Moved) else {
                 unreachable!("matched above")
             };
             let bytes = wait_cuda_read(fut, "offloading an activation")?;
@@ -116,7 +113,7 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
                     self.bytes()
                 )));
             }
-            self.state = State::CudaHost(bytes, cuda_device);
+            self.state = State::CudaHost(bytes);
         }
         Ok(())
     }
@@ -138,8 +135,10 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
     pub fn reload(mut self) -> Result<Tensor<B, D>, SmpError> {
         self.settle()?;
         match self.state {
-            State::CudaHost(bytes, cuda_device) => {
-                let prim = queue_cuda_upload(&cuda_device, bytes, self.shape, self.dtype);
+            State::CudaHost(bytes) => {
+                // `CudaHost` exists only when `B` is `CudaCube`.
+                let device: burn::tensor::Device<CudaCube> = crate::fast::same(self.device);
+                let prim = queue_cuda_upload(&device, bytes, self.shape, self.dtype);
                 let t = Tensor::<CudaCube, D>::from_primitive(TensorPrimitive::Float(prim));
                 Ok(crate::fast::same(t))
             }

@@ -228,12 +228,11 @@ impl MmaTiling {
 impl std::fmt::Display for MmaTiling {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let cp = if self.cp_async { "-cp" } else { "" };
-        let keys = if self.keys == MMA_KEYS {
-            String::new()
-        } else {
-            format!("-k{}", self.keys)
-        };
-        write!(f, "{}x{}{cp}{keys}", self.warps, self.m_tiles)
+        write!(f, "{}x{}{cp}", self.warps, self.m_tiles)?;
+        if self.keys != MMA_KEYS {
+            write!(f, "-k{}", self.keys)?;
+        }
+        Ok(())
     }
 }
 
@@ -762,8 +761,8 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
 /// mask only on blocks that reach past the warp's first row, and only compiled in with
 /// `causal_mask`, which the kernels leave off for blocks no row of the cube reaches past), then
 /// `O += P V`. The block's first key is `k0`; its K and V rows start at row `krow0` of `ks` and
-/// `vs` (0, or the second half of a double buffer). Shared by [`flash_fwd_mma`] and `flash_fwd_mma_cp`, which only
-/// differ in how the K/V tiles get to shared memory.
+/// `vs` (0, or the second half of a double buffer). Shared by [`flash_fwd_mma`] and
+/// `flash_fwd_mma_cp`, which only differ in how the K/V tiles get to shared memory.
 #[cube]
 // `if comptime!(..) { if runtime {..} }` stays nested: the outer branch is resolved at
 // expansion, the inner one is emitted.
