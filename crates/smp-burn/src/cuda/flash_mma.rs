@@ -1564,7 +1564,8 @@ fn load_qdo_regs<F: Float, N: Size>(
 /// lse and delta at `lse_s[qrow0]`, `delta_s[qrow0]` (`qrow0` is 0, or the second half of a
 /// double buffer).
 #[cube]
-#[allow(clippy::too_many_arguments)]
+// The comptime `causal_mask` branch stays nested around the runtime one (see `fwd_block`).
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn dkdv_block<F: Float, N: Size>(
     ks: &SharedMemory<Vector<F, N>>,
     vs: &SharedMemory<Vector<F, N>>,
@@ -1592,6 +1593,7 @@ fn dkdv_block<F: Float, N: Size>(
     #[comptime] k_steps: usize,
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
+    #[comptime] causal_mask: bool,
 ) {
     // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys: rows are keys, columns
     // queries, in the accumulator layout.
@@ -1624,8 +1626,10 @@ fn dkdv_block<F: Float, N: Size>(
                 let s_pair = s_frag[hh2];
                 let dp_pair = dp_frag[hh2];
                 let mut pe = (s_pair[e] * scale - lse_q).exp();
-                if masked && key > qi {
-                    pe = f32::new(0.0);
+                if comptime!(causal_mask) {
+                    if masked && key > qi {
+                        pe = f32::new(0.0);
+                    }
                 }
                 let idx = comptime!((nt * 2 + hh2) * 2 + e);
                 p[idx] = pe;
@@ -1722,7 +1726,8 @@ fn lane_rows_f32(
 /// accumulators as the A operand and K through transposed loads, as V in the forward. The
 /// block's first key is `k0`; its K and V rows start at row `krow0` of `ks` and `vs`.
 #[cube]
-#[allow(clippy::too_many_arguments)]
+// The comptime `causal_mask` branch stays nested around the runtime one (see `fwd_block`).
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn dq_block<F: Float, N: Size>(
     qs: &SharedMemory<Vector<F, N>>,
     dos: &SharedMemory<Vector<F, N>>,
@@ -1748,6 +1753,7 @@ fn dq_block<F: Float, N: Size>(
     #[comptime] k_steps: usize,
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
+    #[comptime] causal_mask: bool,
 ) {
     mma_abt_strip::<F, N>(
         qs, wrow, ks, krow0, s_acc, lane, 1usize, n_tiles, k_steps, ldt, nv,
@@ -1773,10 +1779,12 @@ fn dq_block<F: Float, N: Size>(
             #[unroll]
             for e in 0..2usize {
                 let mut pe = (s_pair[e] * scale - lse_v).exp();
-                if masked {
-                    let key = k0 + 8 * nt + c_lo + e;
-                    if key > row {
-                        pe = f32::new(0.0);
+                if comptime!(causal_mask) {
+                    if masked {
+                        let key = k0 + 8 * nt + c_lo + e;
+                        if key > row {
+                            pe = f32::new(0.0);
+                        }
                     }
                 }
                 ds[comptime!((nt * 2 + hh) * 2 + e)] = pe * (dp_pair[e] - delta_v);
@@ -2023,7 +2031,8 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
 
             // Warps whose keys all follow the block's last query see none of it
             // (warp-uniform).
-            if wk0 < q0 + bq {
+            // No key of the cube follows the block's first query: no causal mask (see the forward).
+            if k0 + bk <= q0 + 1 {
                 dkdv_block::<F, N>(
                     &ks,
                     &vs,
@@ -2051,6 +2060,37 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
                     k_steps,
                     ldt,
                     nv,
+                    false,
+                );
+            } else if wk0 < q0 + bq {
+                dkdv_block::<F, N>(
+                    &ks,
+                    &vs,
+                    &qs,
+                    &dos,
+                    &lse_s,
+                    &delta_s,
+                    0usize,
+                    q0,
+                    wrow,
+                    wk0,
+                    lane,
+                    r_lo,
+                    r_hi,
+                    c_lo,
+                    scale,
+                    &mut s_acc,
+                    &mut dp_acc,
+                    &mut p,
+                    &mut ds,
+                    &mut dk_acc,
+                    &mut dv_acc,
+                    q_tiles,
+                    d_tiles,
+                    k_steps,
+                    ldt,
+                    nv,
+                    true,
                 );
             } else {
                 // Inactive warps contribute zero rows to the block's dS (fused dQ).
@@ -2305,7 +2345,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 nthreads,
             );
         }
-        if wk0 < q0 + bq {
+        // No key of the cube follows the block's first query: no causal mask (see the forward).
+        if k0 + bk <= q0 + 1 {
             dkdv_block::<F, N>(
                 &ks,
                 &vs,
@@ -2333,6 +2374,37 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 k_steps,
                 ldt,
                 nv,
+                false,
+            );
+        } else if wk0 < q0 + bq {
+            dkdv_block::<F, N>(
+                &ks,
+                &vs,
+                &qs,
+                &dos,
+                &lse_s,
+                &delta_s,
+                qrow0,
+                q0,
+                wrow,
+                wk0,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                scale,
+                &mut s_acc,
+                &mut dp_acc,
+                &mut p,
+                &mut ds,
+                &mut dk_acc,
+                &mut dv_acc,
+                q_tiles,
+                d_tiles,
+                k_steps,
+                ldt,
+                nv,
+                true,
             );
         } else if comptime!(fused) {
             // Inactive warps contribute zero rows to the block's dS.
@@ -2517,7 +2589,8 @@ fn flash_bwd_dq_mma<F: Float, N: Size>(
         }
 
         // Warps whose rows all precede the block see none of its keys (warp-uniform).
-        if k0 < row0 + 16 {
+        // No row of the cube precedes the block's last key: no causal mask (see the forward).
+        if k0 + bk <= q0 + 1 {
             dq_block::<F, N>(
                 &qs,
                 &dos,
@@ -2543,6 +2616,35 @@ fn flash_bwd_dq_mma<F: Float, N: Size>(
                 k_steps,
                 ldt,
                 nv,
+                false,
+            );
+        } else if k0 < row0 + 16 {
+            dq_block::<F, N>(
+                &qs,
+                &dos,
+                &ks,
+                &vs,
+                0usize,
+                k0,
+                wrow,
+                row0,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                &lse_r,
+                &delta_r,
+                scale,
+                &mut s_acc,
+                &mut dp_acc,
+                &mut ds,
+                &mut dq_acc,
+                n_tiles,
+                d_tiles,
+                k_steps,
+                ldt,
+                nv,
+                true,
             );
         }
     }
@@ -2692,7 +2794,8 @@ fn flash_bwd_dq_mma_cp<F: Float, N: Size>(
                 nthreads,
             );
         }
-        if k0 < row0 + 16 {
+        // No row of the cube precedes the block's last key: no causal mask (see the forward).
+        if k0 + bk <= q0 + 1 {
             dq_block::<F, N>(
                 &qs,
                 &dos,
@@ -2718,6 +2821,35 @@ fn flash_bwd_dq_mma_cp<F: Float, N: Size>(
                 k_steps,
                 ldt,
                 nv,
+                false,
+            );
+        } else if k0 < row0 + 16 {
+            dq_block::<F, N>(
+                &qs,
+                &dos,
+                &ks,
+                &vs,
+                krow0,
+                k0,
+                wrow,
+                row0,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                &lse_r,
+                &delta_r,
+                scale,
+                &mut s_acc,
+                &mut dp_acc,
+                &mut ds,
+                &mut dq_acc,
+                n_tiles,
+                d_tiles,
+                k_steps,
+                ldt,
+                nv,
+                true,
             );
         }
     }

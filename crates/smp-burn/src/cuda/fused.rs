@@ -517,6 +517,7 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
     #[comptime] threads: usize,
     #[comptime] want_dw: bool,
     #[comptime] accumulate: bool,
+    #[comptime] lean: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let blk = CUBE_POS;
@@ -532,8 +533,14 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
     let t = UNIT_POS as usize;
     let hv = row_vectors as usize;
     let mut scratch = SharedMemory::<f32>::new(comptime!(2 * threads));
-    let mut ws = Array::<Vector<f32, N>>::new(vpt);
-    let mut acc = Array::<Vector<f32, N>>::new(vpt);
+    // Lean: the weight and the partial `dweight` row live in shared memory, not registers.
+    // Each thread only touches its own slots, so they need no barrier.
+    let cols = comptime!(if lean { 1 } else { vpt });
+    let col_slots = comptime!(if lean { vpt * threads } else { 1 });
+    let mut ws = Array::<Vector<f32, N>>::new(cols);
+    let mut acc = Array::<Vector<f32, N>>::new(cols);
+    let mut wsm = SharedMemory::<Vector<f32, N>>::new(col_slots);
+    let mut accm = SharedMemory::<Vector<f32, N>>::new(col_slots);
     // Raw (input dtype) vectors of the next row, loaded one iteration ahead (with
     // `accumulate`, also the gradient already in `dx`, which this row's result adds to).
     let mut xn = Array::<Vector<F, N>>::new(vpt);
@@ -551,35 +558,56 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
                 an[i] = dx[r0 * hv + c];
             }
         }
-        ws[i] = w;
-        acc[i] = Vector::<f32, N>::new(f32::new(0.0));
+        if comptime!(lean) {
+            wsm[c] = w;
+            accm[c] = Vector::<f32, N>::new(f32::new(0.0));
+        } else {
+            ws[i] = w;
+            acc[i] = Vector::<f32, N>::new(f32::new(0.0));
+        }
     }
     let mut rn = inv_rms[r0];
-    let mut xs = Array::<Vector<f32, N>>::new(vpt);
-    let mut gs = Array::<Vector<f32, N>>::new(vpt);
-    let mut dns = Array::<Vector<f32, N>>::new(vpt);
-    let mut accs = Array::<Vector<f32, N>>::new(vpt);
+    // Lean: the current row stays raw (input dtype) and is converted again after the
+    // reduction, instead of being held in f32 across it (`xs`, `gs`, `dns`, `accs`).
+    let stash = comptime!(if lean { 1 } else { vpt });
+    let raw = comptime!(if lean { vpt } else { 1 });
+    let mut xs = Array::<Vector<f32, N>>::new(stash);
+    let mut gs = Array::<Vector<f32, N>>::new(stash);
+    let mut dns = Array::<Vector<f32, N>>::new(stash);
+    let mut accs = Array::<Vector<f32, N>>::new(stash);
+    let mut xc = Array::<Vector<F, N>>::new(raw);
+    let mut gc = Array::<Vector<F, N>>::new(raw);
+    let mut ac = Array::<Vector<F, N>>::new(raw);
     for row in r0..r1 {
         let base = row * hv;
         let r = rn;
         let rv = Vector::<f32, N>::new(r);
-        // Row `row` to f32 (vectors past the row end are zero and never stored).
+        // Row `row` to f32 (vectors past the row end are zero and never stored), or, lean,
+        // moved raw out of the prefetch registers.
         #[unroll]
         for i in 0..vpt {
-            let c = i * threads + t;
-            let mut xv = Vector::<f32, N>::new(f32::new(0.0));
-            let mut g = Vector::<f32, N>::new(f32::new(0.0));
-            let mut a = Vector::<f32, N>::new(f32::new(0.0));
-            if c < hv {
-                xv = Vector::<f32, N>::cast_from(xn[i]);
-                g = Vector::<f32, N>::cast_from(gn[i]);
+            if comptime!(lean) {
+                xc[i] = xn[i];
+                gc[i] = gn[i];
                 if comptime!(accumulate) {
-                    a = Vector::<f32, N>::cast_from(an[i]);
+                    ac[i] = an[i];
                 }
+            } else {
+                let c = i * threads + t;
+                let mut xv = Vector::<f32, N>::new(f32::new(0.0));
+                let mut g = Vector::<f32, N>::new(f32::new(0.0));
+                let mut a = Vector::<f32, N>::new(f32::new(0.0));
+                if c < hv {
+                    xv = Vector::<f32, N>::cast_from(xn[i]);
+                    g = Vector::<f32, N>::cast_from(gn[i]);
+                    if comptime!(accumulate) {
+                        a = Vector::<f32, N>::cast_from(an[i]);
+                    }
+                }
+                xs[i] = xv;
+                gs[i] = g;
+                accs[i] = a;
             }
-            xs[i] = xv;
-            gs[i] = g;
-            accs[i] = a;
         }
         // Issue the next row's loads now; they complete while this row is reduced and stored.
         let next = row + 1;
@@ -601,16 +629,30 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
         let mut dot = f32::new(0.0);
         #[unroll]
         for i in 0..vpt {
-            let xv = xs[i];
-            let g = gs[i];
-            if comptime!(want_dw) {
-                // The weight multiplied the normalized row as rounded in the forward.
-                let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
-                acc[i] += g * n;
+            let c = i * threads + t;
+            if comptime!(lean) {
+                // Vectors past the row end hold stale or unset registers: skip them.
+                if c < hv {
+                    let xv = Vector::<f32, N>::cast_from(xc[i]);
+                    let g = Vector::<f32, N>::cast_from(gc[i]);
+                    if comptime!(want_dw) {
+                        let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
+                        accm[c] += g * n;
+                    }
+                    dot += lane_sum::<N>(g * wsm[c] * xv, nv);
+                }
+            } else {
+                let xv = xs[i];
+                let g = gs[i];
+                if comptime!(want_dw) {
+                    // The weight multiplied the normalized row as rounded in the forward.
+                    let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
+                    acc[i] += g * n;
+                }
+                let dn = g * ws[i];
+                dns[i] = dn;
+                dot += lane_sum::<N>(dn * xv, nv);
             }
-            let dn = g * ws[i];
-            dns[i] = dn;
-            dot += lane_sum::<N>(dn * xv, nv);
         }
         let total = cube_sum_alternating(dot, &mut scratch, row % 2, threads);
         let coef = Vector::<f32, N>::new(r * r * r * total / hidden);
@@ -618,11 +660,21 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
         for i in 0..vpt {
             let c = i * threads + t;
             if c < hv {
-                let mut v = dns[i] * rv - xs[i] * coef;
-                if comptime!(accumulate) {
-                    v += accs[i];
+                if comptime!(lean) {
+                    let xv = Vector::<f32, N>::cast_from(xc[i]);
+                    let g = Vector::<f32, N>::cast_from(gc[i]);
+                    let mut v = (g * wsm[c]) * rv - xv * coef;
+                    if comptime!(accumulate) {
+                        v += Vector::<f32, N>::cast_from(ac[i]);
+                    }
+                    dx[base + c] = Vector::<F, N>::cast_from(v);
+                } else {
+                    let mut v = dns[i] * rv - xs[i] * coef;
+                    if comptime!(accumulate) {
+                        v += accs[i];
+                    }
+                    dx[base + c] = Vector::<F, N>::cast_from(v);
                 }
-                dx[base + c] = Vector::<F, N>::cast_from(v);
             }
         }
     }
@@ -632,10 +684,18 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
             let c = i * threads + t;
             if c < hv {
                 let out = (blk * hv + c) * nv;
-                let a = acc[i];
-                #[unroll]
-                for k in 0..nv {
-                    partial[out + k] = a[k];
+                if comptime!(lean) {
+                    let a = accm[c];
+                    #[unroll]
+                    for k in 0..nv {
+                        partial[out + k] = a[k];
+                    }
+                } else {
+                    let a = acc[i];
+                    #[unroll]
+                    for k in 0..nv {
+                        partial[out + k] = a[k];
+                    }
                 }
             }
         }
@@ -914,6 +974,16 @@ fn norm_bwd_tuning() -> Option<(usize, usize)> {
     })
 }
 
+/// Whether the version-2 RMSNorm backward keeps the current row raw (input dtype) across its
+/// reduction and converts it again afterwards (the default), instead of holding it in f32:
+/// about 16 fewer registers per thread for bf16 rows, so two 512-thread cubes fit an SM's
+/// register file. Same arithmetic in the same order, so the results are bitwise equal.
+/// `SMP_BURN_NORM_BWD_LEAN=0` (read once) turns it off, for A/B runs.
+fn norm_bwd_lean() -> bool {
+    static LEAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LEAN.get_or_init(|| std::env::var("SMP_BURN_NORM_BWD_LEAN").map_or(true, |v| v.trim() != "0"))
+}
+
 /// The device's SM count, or [`DEFAULT_SMS`].
 fn sm_count<R: CubeRuntime>(client: &ComputeClient<R>) -> usize {
     client
@@ -1165,6 +1235,7 @@ pub fn rms_norm_backward<R: CubeRuntime>(
                 threads,
                 want_dw,
                 accumulate,
+                norm_bwd_lean(),
                 dtype.into(),
             );
         }
