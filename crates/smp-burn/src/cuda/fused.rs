@@ -51,6 +51,7 @@ use burn_cubecl::ops::permute;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -702,6 +703,208 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
     }
 }
 
+/// Issues the `cp.async` copies of rows `row0 .. row0 + group` (those below `r1`) of `src`
+/// into slots `dst0 + j * padded ..` of `dst`: thread `t` copies vectors `t, t + threads, ...`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn norm_rows_async<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    dst: &mut SharedMemory<Vector<F, N>>,
+    row0: usize,
+    r1: usize,
+    hv: usize,
+    dst0: usize,
+    #[comptime] group: usize,
+    #[comptime] vpt: usize,
+    #[comptime] threads: usize,
+    #[comptime] nv: usize,
+) {
+    let t = UNIT_POS as usize;
+    let padded = comptime!(vpt * threads);
+    let width = comptime!(nv as u32);
+    #[unroll]
+    for j in 0..group {
+        let row = row0 + j;
+        if row < r1 {
+            #[unroll]
+            for i in 0..vpt {
+                let c = i * threads + t;
+                if c < hv {
+                    let si = row * hv + c;
+                    let di = dst0 + j * padded + c;
+                    copy_async::<Vector<F, N>>(
+                        &src.slice(si, si + 1),
+                        &mut dst.slice_mut(di, di + 1),
+                        width,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// RMSNorm backward, staged: the formulas of [`rms_norm_bwd_v2_kernel`] (bitwise the same
+/// results), with the rows brought into shared memory by `cp.async`, `group` rows per stage and
+/// two stages, instead of through registers. Why: the register-pipelined kernel holds each byte
+/// in flight in a register, and CubeCL's generated code needs 64-90 registers for it, so an SM
+/// keeps only about 32 KB of loads in flight and the kernel reads at 1.2-1.8 TB/s (calls DH,
+/// DI). Here the next stage's rows (about 32 KB per cube) are in flight in shared memory,
+/// tracked by one cube barrier, while the current stage is reduced and stored.
+/// Cube = a block of `rows_per_cube` rows as in the version-2 kernel; the weight and the
+/// partial `dweight` row live in shared memory (each thread owns its slots).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    weight: &Tensor<Vector<F, N>>,
+    dy: &Tensor<Vector<F, N>>,
+    inv_rms: &Tensor<f32>,
+    dx: &mut Tensor<Vector<F, N>>,
+    partial: &mut Tensor<f32>,
+    rows: u32,
+    row_vectors: u32,
+    hidden: f32,
+    rows_per_cube: u32,
+    #[comptime] nv: usize,
+    #[comptime] vpt: usize,
+    #[comptime] threads: usize,
+    #[comptime] group: usize,
+    #[comptime] want_dw: bool,
+    #[comptime] accumulate: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let blk = CUBE_POS;
+    let r0 = blk * rows_per_cube as usize;
+    if r0 >= rows as usize {
+        terminate!();
+    }
+    let mut r1 = r0 + rows_per_cube as usize;
+    if r1 > rows as usize {
+        r1 = rows as usize;
+    }
+    let t = UNIT_POS as usize;
+    let hv = row_vectors as usize;
+    let padded = comptime!(vpt * threads);
+    let stage_slots = comptime!(group * vpt * threads);
+    let mut scratch = SharedMemory::<f32>::new(comptime!(2 * threads));
+    let mut wsm = SharedMemory::<Vector<f32, N>>::new(padded);
+    let mut accm = SharedMemory::<Vector<f32, N>>::new(padded);
+    let mut xb = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * stage_slots), 128usize);
+    let mut gb = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * stage_slots), 128usize);
+    let mut ab = SharedMemory::<Vector<F, N>>::new_aligned(
+        comptime!(if accumulate { 2 * stage_slots } else { 1 }),
+        128usize,
+    );
+    // One phase per stage; created before any copy is issued.
+    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    norm_rows_async::<F, N>(x, &mut xb, r0, r1, hv, 0usize, group, vpt, threads, nv);
+    norm_rows_async::<F, N>(dy, &mut gb, r0, r1, hv, 0usize, group, vpt, threads, nv);
+    if comptime!(accumulate) {
+        norm_rows_async::<F, N>(dx, &mut ab, r0, r1, hv, 0usize, group, vpt, threads, nv);
+    }
+    #[unroll]
+    for i in 0..vpt {
+        let c = i * threads + t;
+        let mut w = Vector::<f32, N>::new(f32::new(0.0));
+        if c < hv {
+            w = Vector::<f32, N>::cast_from(weight[c]);
+        }
+        wsm[c] = w;
+        accm[c] = Vector::<f32, N>::new(f32::new(0.0));
+    }
+    // 1 / rms of the next stage's rows, loaded a stage ahead like the rows themselves.
+    let mut rn = Array::<f32>::new(group);
+    let mut rc = Array::<f32>::new(group);
+    #[unroll]
+    for j in 0..group {
+        rn[j] = f32::new(0.0);
+        if r0 + j < r1 {
+            rn[j] = inv_rms[r0 + j];
+        }
+    }
+    let n_groups = (r1 - r0 + group - 1) / group;
+    for k in 0..n_groups {
+        let g0 = r0 + k * group;
+        let cur = (k % 2) * stage_slots;
+        bar.commit_copy_async();
+        bar.arrive_and_wait();
+        #[unroll]
+        for j in 0..group {
+            rc[j] = rn[j];
+        }
+        // Every unit has passed the wait above, so none still reads the other stage.
+        if k + 1 < n_groups {
+            let g1 = g0 + group;
+            let nxt = stage_slots - cur;
+            norm_rows_async::<F, N>(x, &mut xb, g1, r1, hv, nxt, group, vpt, threads, nv);
+            norm_rows_async::<F, N>(dy, &mut gb, g1, r1, hv, nxt, group, vpt, threads, nv);
+            if comptime!(accumulate) {
+                norm_rows_async::<F, N>(dx, &mut ab, g1, r1, hv, nxt, group, vpt, threads, nv);
+            }
+            #[unroll]
+            for j in 0..group {
+                if g1 + j < r1 {
+                    rn[j] = inv_rms[g1 + j];
+                }
+            }
+        }
+        #[unroll]
+        for j in 0..group {
+            let row = g0 + j;
+            // Uniform over the cube, so the reduction's barrier is reached by all or none.
+            if row < r1 {
+                let r = rc[j];
+                let rv = Vector::<f32, N>::new(r);
+                let sb = cur + j * padded;
+                let mut dot = f32::new(0.0);
+                #[unroll]
+                for i in 0..vpt {
+                    let c = i * threads + t;
+                    if c < hv {
+                        let xv = Vector::<f32, N>::cast_from(xb[sb + c]);
+                        let g = Vector::<f32, N>::cast_from(gb[sb + c]);
+                        if comptime!(want_dw) {
+                            // The weight multiplied the normalized row as rounded in the forward.
+                            let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
+                            accm[c] += g * n;
+                        }
+                        dot += lane_sum::<N>(g * wsm[c] * xv, nv);
+                    }
+                }
+                let total = cube_sum_alternating(dot, &mut scratch, row % 2, threads);
+                let coef = Vector::<f32, N>::new(r * r * r * total / hidden);
+                #[unroll]
+                for i in 0..vpt {
+                    let c = i * threads + t;
+                    if c < hv {
+                        let xv = Vector::<f32, N>::cast_from(xb[sb + c]);
+                        let g = Vector::<f32, N>::cast_from(gb[sb + c]);
+                        let mut v = (g * wsm[c]) * rv - xv * coef;
+                        if comptime!(accumulate) {
+                            v += Vector::<f32, N>::cast_from(ab[sb + c]);
+                        }
+                        dx[row * hv + c] = Vector::<F, N>::cast_from(v);
+                    }
+                }
+            }
+        }
+    }
+    if comptime!(want_dw) {
+        #[unroll]
+        for i in 0..vpt {
+            let c = i * threads + t;
+            if c < hv {
+                let out = (blk * hv + c) * nv;
+                let a = accm[c];
+                #[unroll]
+                for k in 0..nv {
+                    partial[out + k] = a[k];
+                }
+            }
+        }
+    }
+}
+
 /// `out[c] = sum_b partial[b, c]` in a fixed order, version 2: reads `partial` in vectors of
 /// `mv` f32 (`col_vectors = cols / mv`). Cube = `lanes` consecutive column vectors x `groups`
 /// row groups (thread `t`: vector `t % lanes`, group `t / lanes`); group `g` adds rows
@@ -984,6 +1187,76 @@ fn norm_bwd_lean() -> bool {
     *LEAN.get_or_init(|| std::env::var("SMP_BURN_NORM_BWD_LEAN").map_or(true, |v| v.trim() != "0"))
 }
 
+/// Launch shape of [`rms_norm_bwd_staged_kernel`].
+#[derive(Clone, Copy, Debug)]
+struct StagedNormLayout {
+    threads: usize,
+    vpt: usize,
+    /// Rows per `cp.async` stage.
+    group: usize,
+    cubes_per_sm: usize,
+}
+
+/// Threads per cube of the staged RMSNorm backward: in call DJ's sweep 128 was the fastest or
+/// within noise of it at every Llama width (256 and 512 were up to 2 % and 28 % slower).
+const STAGED_NORM_THREADS: usize = 128;
+
+/// Shared memory one SM offers the cubes of the staged RMSNorm backward (an H100/H200 has
+/// 228 KB; a little is reserved per cube).
+const STAGED_NORM_SMEM_PER_SM: usize = 220 * 1024;
+
+/// The staged RMSNorm backward's launch shape for rows of `row_vectors` vectors of `nv`
+/// elements of `elem_bytes`, or `None` where it does not apply (turned off, or a row too long
+/// for two stages in shared memory): then the version-2 kernel runs. Defaults:
+/// [`STAGED_NORM_THREADS`] threads (more where a thread would hold over eight vectors), about
+/// 32 KB of rows per stage (two cubes per SM then keep some 64 KB of loads in flight), and as
+/// many cubes per SM as shared memory allows, up to two. `SMP_BURN_NORM_BWD_STAGED=0` turns it off; `=threads,stage_kib,cubes_per_sm`
+/// sets the shape (read once, for tuning sweeps).
+fn norm_bwd_staged_layout(
+    row_vectors: usize,
+    nv: usize,
+    elem_bytes: usize,
+    accumulate: bool,
+) -> Option<StagedNormLayout> {
+    static TUNING: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
+    let tuning = *TUNING.get_or_init(|| {
+        let v = std::env::var("SMP_BURN_NORM_BWD_STAGED").ok()?;
+        if v.trim() == "0" {
+            return Some((0, 0, 0));
+        }
+        let mut it = v.split(',').map(|p| p.trim().parse::<usize>().ok());
+        let threads = it.next()??.next_multiple_of(32).clamp(32, 1024);
+        let kib = it.next().flatten().unwrap_or(32).clamp(1, 96);
+        let cubes = it.next().flatten().unwrap_or(2).clamp(1, 16);
+        Some((threads, kib, cubes))
+    });
+    let (threads, stage_kib, max_cubes) = tuning.unwrap_or((STAGED_NORM_THREADS, 32, 2));
+    if threads == 0 || row_vectors == 0 {
+        return None;
+    }
+    // At most eight vectors per thread (the row loops are unrolled), at most a row's worth.
+    let threads = threads
+        .max(row_vectors.div_ceil(8).next_multiple_of(32))
+        .min(row_vectors.next_multiple_of(32))
+        .min(1024);
+    let vpt = row_vectors.div_ceil(threads);
+    let streams = if accumulate { 3 } else { 2 };
+    let row_bytes = vpt * threads * nv * elem_bytes;
+    let group = (stage_kib * 1024 / (row_bytes * streams)).clamp(1, 8);
+    // Two stages of `group` rows per stream, the weight and partial-dweight rows (f32) and
+    // the reduction scratch.
+    let smem = |group: usize| {
+        2 * group * row_bytes * streams + 2 * vpt * threads * nv * 4 + 2 * threads * 4
+    };
+    let cubes_per_sm = (STAGED_NORM_SMEM_PER_SM / smem(group)).min(max_cubes);
+    (cubes_per_sm >= 1).then_some(StagedNormLayout {
+        threads,
+        vpt,
+        group,
+        cubes_per_sm,
+    })
+}
+
 /// The device's SM count, or [`DEFAULT_SMS`].
 fn sm_count<R: CubeRuntime>(client: &ComputeClient<R>) -> usize {
     client
@@ -1158,15 +1431,20 @@ pub fn rms_norm_backward<R: CubeRuntime>(
     let nv = vector_width(&[&x, &weight, &dy, &dx], hidden);
     let row_vectors = hidden / nv;
     let legacy = legacy_kernels();
-    let (threads, vpt) = if legacy {
-        row_layout(row_vectors)
-    } else {
-        row_layout_bwd_v2(row_vectors)
+    let staged = (!legacy && super::flash::flash_mma::mma_async_supported(&client))
+        .then(|| norm_bwd_staged_layout(row_vectors, nv, dtype.size(), accumulate))
+        .flatten();
+    let (threads, vpt) = match staged {
+        Some(layout) => (layout.threads, layout.vpt),
+        None if legacy => row_layout(row_vectors),
+        None => row_layout_bwd_v2(row_vectors),
     };
     // Legacy: a fixed ~512 blocks. Version 2: about one wave of cubes (two per SM at 512
     // threads, more for smaller cubes), so each cube's pipeline runs over many rows and the
     // partial sums stay small (about 256 rows of `hidden` f32 on an H200).
-    let target_blocks = if legacy {
+    let target_blocks = if let Some(layout) = staged {
+        sm_count(&client) * layout.cubes_per_sm
+    } else if legacy {
         NORM_BWD_CUBES
     } else {
         let per_sm = norm_bwd_tuning().map_or((1024 / threads).max(2), |(_, cubes)| cubes);
@@ -1184,7 +1462,35 @@ pub fn rms_norm_backward<R: CubeRuntime>(
         },
         DType::F32,
     );
-    if legacy {
+    if let Some(layout) = staged {
+        // SAFETY: as the version-2 launch; the copies stay inside the rows of the cube's block
+        // and inside the stage buffers (`group` rows of `vpt * threads` vectors each).
+        unsafe {
+            rms_norm_bwd_staged_kernel::launch_unchecked::<R>(
+                &client,
+                cubes(blocks),
+                CubeDim::new_1d(threads as u32),
+                nv,
+                x.into_tensor_arg(),
+                weight.into_tensor_arg(),
+                dy.into_tensor_arg(),
+                inv_rms.into_tensor_arg(),
+                dx.clone().into_tensor_arg(),
+                partial.clone().into_tensor_arg(),
+                rows as u32,
+                row_vectors as u32,
+                hidden as f32,
+                rows_per_cube as u32,
+                nv,
+                vpt,
+                threads,
+                layout.group,
+                want_dw,
+                accumulate,
+                dtype.into(),
+            );
+        }
+    } else if legacy {
         // SAFETY: cube `b` reads rows `b * rows_per_cube ..` clamped to `rows`; vector indices
         // stay inside the row; `partial` has `blocks * hidden` elements when written.
         unsafe {
@@ -1809,4 +2115,49 @@ pub fn rope_plain(
     let cos = rope_table(cos.into_primitive().tensor());
     let sin = rope_table(sin.into_primitive().tensor());
     wrap(rope_apply(x.into_primitive().tensor(), &cos, &sin, false))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The staged RMSNorm backward's shape keeps every thread's row slice short (the loops are
+    /// unrolled), covers the row, and fits its two stages plus the f32 rows into an SM's
+    /// shared memory; rows too long for that fall back to the register kernel.
+    #[test]
+    fn staged_norm_layout_fits_shared_memory() {
+        for (hidden, elem_bytes) in [(2048, 2), (4096, 2), (5120, 2), (8192, 2), (1000, 2)]
+            .into_iter()
+            .chain([(4096, 4), (1000, 4), (16384, 4), (3, 4)])
+        {
+            let nv = [16 / elem_bytes, 4, 2, 1]
+                .into_iter()
+                .find(|w| hidden % w == 0)
+                .unwrap();
+            let row_vectors = hidden / nv;
+            for accumulate in [false, true] {
+                let Some(l) = norm_bwd_staged_layout(row_vectors, nv, elem_bytes, accumulate)
+                else {
+                    assert!(
+                        hidden * elem_bytes >= 32 * 1024,
+                        "hidden {hidden} x {elem_bytes} B fell back though short"
+                    );
+                    continue;
+                };
+                assert!(l.threads % 32 == 0 && l.threads <= 1024, "{l:?}");
+                assert!(l.vpt <= 8 && l.vpt * l.threads >= row_vectors, "{l:?}");
+                assert!((1..=8).contains(&l.group) && l.cubes_per_sm >= 1, "{l:?}");
+                let streams = if accumulate { 3 } else { 2 };
+                let padded = l.vpt * l.threads;
+                let smem = 2 * l.group * padded * nv * elem_bytes * streams
+                    + 2 * padded * nv * 4
+                    + 2 * l.threads * 4;
+                assert!(
+                    smem * l.cubes_per_sm <= STAGED_NORM_SMEM_PER_SM,
+                    "hidden {hidden}: {smem} B x {} cubes",
+                    l.cubes_per_sm
+                );
+            }
+        }
+    }
 }
