@@ -1,23 +1,23 @@
-"""Summarizes `ncu --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum`
-output (argv[1]): per kernel name and launch shape, the launches, the median device time, the DRAM
-bytes and the bandwidth they give. Kernels appear in launch order."""
-import csv, sys, statistics
+"""Summarizes `ncu --csv --metrics gpu__time_duration.sum[,dram__bytes_read.sum,dram__bytes_write.sum]`
+output (argv[1]): one line per profiled launch, in launch order: kernel, grid x block, device
+time, and the DRAM bytes and bandwidth when they were collected. (Call DL grouped launches of
+one shape and merged widths that share a grid, so each launch is printed on its own.)"""
+import csv, sys
 from collections import OrderedDict
 rows = [r for r in csv.reader(open(sys.argv[1], errors='replace')) if len(r) > 14]
 hdr = rows[0]; rows = rows[1:]
 ix = {k: hdr.index(k) for k in ("ID", "Kernel Name", "Block Size", "Grid Size", "Metric Name", "Metric Unit", "Metric Value")}
-scale = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0,
-         "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
+scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3,
+         "second": 1.0, "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
 launches = OrderedDict()
 for r in rows:
-    key = r[ix["ID"]]
-    d = launches.setdefault(key, {"name": r[ix["Kernel Name"]].split("(")[0][:60], "shape": r[ix["Grid Size"]] + "x" + r[ix["Block Size"]]})
-    v = float(r[ix["Metric Value"]].replace(",", "")) * scale.get(r[ix["Metric Unit"]], 1)
-    d[r[ix["Metric Name"]]] = v
-groups = OrderedDict()
-for d in launches.values():
-    groups.setdefault((d["name"], d["shape"]), []).append(d)
-for (name, shape), ds in groups.items():
-    t = statistics.median(x.get("gpu__time_duration.sum", 0) for x in ds)
-    b = statistics.median(x.get("dram__bytes_read.sum", 0) + x.get("dram__bytes_write.sum", 0) for x in ds)
-    print(f"NCU|{name}|{shape}|n={len(ds)}|{t*1e6:.1f} us|{b/1e6:.1f} MB|{b/t/1e9 if t else 0:.0f} GB/s")
+    d = launches.setdefault(int(r[ix["ID"]]), {"name": r[ix["Kernel Name"]].split("(")[0][:50],
+                                              "shape": r[ix["Grid Size"]] + "x" + r[ix["Block Size"]]})
+    d[r[ix["Metric Name"]]] = float(r[ix["Metric Value"]].replace(",", "")) * scale.get(r[ix["Metric Unit"]], 1)
+for i, d in launches.items():
+    t = d.get("gpu__time_duration.sum", 0)
+    line = f"NCU|{i}|{d['name']}|{d['shape'].replace(' ', '')}|{t * 1e6:.1f} us"
+    if "dram__bytes_read.sum" in d:
+        b = d["dram__bytes_read.sum"] + d.get("dram__bytes_write.sum", 0)
+        line += f"|{b / 1e6:.1f} MB DRAM|{b / t / 1e9 if t else 0:.0f} GB/s"
+    print(line)
