@@ -743,108 +743,13 @@ fn norm_rows_async<F: Float, N: Size>(
     }
 }
 
-/// Issues the 4-byte `cp.async` copies of `inv_rms[row0 .. row0 + group]` (those below `r1`)
-/// into `dst[dst0 ..]`, one row per unit of the first `group` units.
-#[cube]
-fn norm_inv_async(
-    inv_rms: &Tensor<f32>,
-    dst: &mut SharedMemory<f32>,
-    row0: usize,
-    r1: usize,
-    dst0: usize,
-    #[comptime] group: usize,
-) {
-    let t = UNIT_POS as usize;
-    if t < group && row0 + t < r1 {
-        let i = row0 + t;
-        copy_async::<f32>(
-            &inv_rms.slice(i, i + 1),
-            &mut dst.slice_mut(dst0 + t, dst0 + t + 1),
-            1u32,
-        );
-    }
-}
-
-/// The rows `g0 .. g0 + group` (those below `r1`) of the staged RMSNorm backward, from the
-/// stage at `cur` of the shared buffers: dweight partials into `accm`, dx to global memory.
-/// The formulas of [`rms_norm_bwd_v2_kernel`] in the same order.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn norm_bwd_stage_rows<F: Float, N: Size>(
-    xb: &SharedMemory<Vector<F, N>>,
-    gb: &SharedMemory<Vector<F, N>>,
-    ab: &SharedMemory<Vector<F, N>>,
-    wsm: &SharedMemory<Vector<f32, N>>,
-    accm: &mut SharedMemory<Vector<f32, N>>,
-    scratch: &mut SharedMemory<f32>,
-    dx: &mut Tensor<Vector<F, N>>,
-    rc: &Array<f32>,
-    g0: usize,
-    r1: usize,
-    cur: usize,
-    hv: usize,
-    hidden: f32,
-    #[comptime] group: usize,
-    #[comptime] vpt: usize,
-    #[comptime] threads: usize,
-    #[comptime] nv: usize,
-    #[comptime] want_dw: bool,
-    #[comptime] accumulate: bool,
-) {
-    let t = UNIT_POS as usize;
-    let padded = comptime!(vpt * threads);
-    #[unroll]
-    for j in 0..group {
-        let row = g0 + j;
-        // Uniform over the cube, so the reduction's barrier is reached by all or none.
-        if row < r1 {
-            let r = rc[j];
-            let rv = Vector::<f32, N>::new(r);
-            let sb = cur + j * padded;
-            let mut dot = f32::new(0.0);
-            #[unroll]
-            for i in 0..vpt {
-                let c = i * threads + t;
-                if c < hv {
-                    let xv = Vector::<f32, N>::cast_from(xb[sb + c]);
-                    let g = Vector::<f32, N>::cast_from(gb[sb + c]);
-                    if comptime!(want_dw) {
-                        // The weight multiplied the normalized row as rounded in the forward.
-                        let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
-                        accm[c] += g * n;
-                    }
-                    dot += lane_sum::<N>(g * wsm[c] * xv, nv);
-                }
-            }
-            let total = cube_sum_alternating(dot, scratch, row % 2, threads);
-            let coef = Vector::<f32, N>::new(r * r * r * total / hidden);
-            #[unroll]
-            for i in 0..vpt {
-                let c = i * threads + t;
-                if c < hv {
-                    let xv = Vector::<f32, N>::cast_from(xb[sb + c]);
-                    let g = Vector::<f32, N>::cast_from(gb[sb + c]);
-                    let mut v = (g * wsm[c]) * rv - xv * coef;
-                    if comptime!(accumulate) {
-                        v += Vector::<f32, N>::cast_from(ab[sb + c]);
-                    }
-                    dx[row * hv + c] = Vector::<F, N>::cast_from(v);
-                }
-            }
-        }
-    }
-}
-
 /// RMSNorm backward, staged: the formulas of [`rms_norm_bwd_v2_kernel`] (bitwise the same
 /// results), with the rows brought into shared memory by `cp.async`, `group` rows per stage and
 /// two stages, instead of through registers. Why: the register-pipelined kernel holds each byte
 /// in flight in a register, and CubeCL's generated code needs 64-90 registers for it, so an SM
 /// keeps only about 32 KB of loads in flight and the kernel reads at 1.2-1.8 TB/s (calls DH,
-/// DI). Here the next stage's rows (about 32 KB per cube) are in flight in shared memory while
-/// the current stage is reduced and stored. With `ahead` (the default) each of the two stages
-/// has its own cube barrier and the stage after next is issued as soon as the current one has
-/// been read, so the copies never wait for a stage's compute; without it, one barrier tracks
-/// whichever stage is in flight (call DJ's kernel).
+/// DI). Here the next stage's rows (about 32 KB per cube) are in flight in shared memory,
+/// tracked by one cube barrier, while the current stage is reduced and stored.
 /// Cube = a block of `rows_per_cube` rows as in the version-2 kernel; the weight and the
 /// partial `dweight` row live in shared memory (each thread owns its slots).
 #[cube(launch_unchecked)]
@@ -866,7 +771,6 @@ fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
     #[comptime] group: usize,
     #[comptime] want_dw: bool,
     #[comptime] accumulate: bool,
-    #[comptime] ahead: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let blk = CUBE_POS;
@@ -891,13 +795,8 @@ fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
         comptime!(if accumulate { 2 * stage_slots } else { 1 }),
         128usize,
     );
-    // One phase per stage; created before any copy is issued. With `ahead`, stage `s` (of two)
-    // has its own barrier, so the next-but-one stage's copies can be issued while the next
-    // stage's are still in flight.
+    // One phase per stage; created before any copy is issued.
     let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    // With `ahead`, 1 / rms of each stage's rows also comes by `cp.async`, into `rsm`.
-    let mut rsm = SharedMemory::<f32>::new(comptime!(if ahead { 2 * group } else { 1 }));
     norm_rows_async::<F, N>(x, &mut xb, r0, r1, hv, 0usize, group, vpt, threads, nv);
     norm_rows_async::<F, N>(dy, &mut gb, r0, r1, hv, 0usize, group, vpt, threads, nv);
     if comptime!(accumulate) {
@@ -913,150 +812,81 @@ fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
         wsm[c] = w;
         accm[c] = Vector::<f32, N>::new(f32::new(0.0));
     }
-    let n_groups = (r1 - r0 + group - 1) / group;
+    // 1 / rms of the next stage's rows, loaded a stage ahead like the rows themselves.
+    let mut rn = Array::<f32>::new(group);
     let mut rc = Array::<f32>::new(group);
-    if comptime!(ahead) {
-        norm_inv_async(inv_rms, &mut rsm, r0, r1, 0usize, group);
+    #[unroll]
+    for j in 0..group {
+        rn[j] = f32::new(0.0);
+        if r0 + j < r1 {
+            rn[j] = inv_rms[r0 + j];
+        }
+    }
+    let n_groups = (r1 - r0 + group - 1) / group;
+    for k in 0..n_groups {
+        let g0 = r0 + k * group;
+        let cur = (k % 2) * stage_slots;
         bar.commit_copy_async();
-        if n_groups > 1 {
-            let g1 = r0 + group;
-            norm_rows_async::<F, N>(x, &mut xb, g1, r1, hv, stage_slots, group, vpt, threads, nv);
-            norm_rows_async::<F, N>(
-                dy,
-                &mut gb,
-                g1,
-                r1,
-                hv,
-                stage_slots,
-                group,
-                vpt,
-                threads,
-                nv,
-            );
-            if comptime!(accumulate) {
-                norm_rows_async::<F, N>(
-                    dx,
-                    &mut ab,
-                    g1,
-                    r1,
-                    hv,
-                    stage_slots,
-                    group,
-                    vpt,
-                    threads,
-                    nv,
-                );
-            }
-            norm_inv_async(inv_rms, &mut rsm, g1, r1, group, group);
-            bar1.commit_copy_async();
-        }
-        for k in 0..n_groups {
-            let g0 = r0 + k * group;
-            let st = k % 2;
-            let cur = st * stage_slots;
-            if st == 0 {
-                bar.arrive_and_wait();
-            } else {
-                bar1.arrive_and_wait();
-            }
-            #[unroll]
-            for j in 0..group {
-                rc[j] = rsm[st * group + j];
-            }
-            norm_bwd_stage_rows::<F, N>(
-                &xb,
-                &gb,
-                &ab,
-                &wsm,
-                &mut accm,
-                &mut scratch,
-                dx,
-                &rc,
-                g0,
-                r1,
-                cur,
-                hv,
-                hidden,
-                group,
-                vpt,
-                threads,
-                nv,
-                want_dw,
-                accumulate,
-            );
-            if k + 2 < n_groups {
-                // Every unit has finished reading stage `st` before it is refilled.
-                sync_cube();
-                let g2 = g0 + 2 * group;
-                norm_rows_async::<F, N>(x, &mut xb, g2, r1, hv, cur, group, vpt, threads, nv);
-                norm_rows_async::<F, N>(dy, &mut gb, g2, r1, hv, cur, group, vpt, threads, nv);
-                if comptime!(accumulate) {
-                    norm_rows_async::<F, N>(dx, &mut ab, g2, r1, hv, cur, group, vpt, threads, nv);
-                }
-                norm_inv_async(inv_rms, &mut rsm, g2, r1, st * group, group);
-                if st == 0 {
-                    bar.commit_copy_async();
-                } else {
-                    bar1.commit_copy_async();
-                }
-            }
-        }
-    } else {
-        // 1 / rms of the next stage's rows, loaded a stage ahead like the rows themselves.
-        let mut rn = Array::<f32>::new(group);
+        bar.arrive_and_wait();
         #[unroll]
         for j in 0..group {
-            rn[j] = f32::new(0.0);
-            if r0 + j < r1 {
-                rn[j] = inv_rms[r0 + j];
-            }
+            rc[j] = rn[j];
         }
-        for k in 0..n_groups {
-            let g0 = r0 + k * group;
-            let cur = (k % 2) * stage_slots;
-            bar.commit_copy_async();
-            bar.arrive_and_wait();
+        // Every unit has passed the wait above, so none still reads the other stage.
+        if k + 1 < n_groups {
+            let g1 = g0 + group;
+            let nxt = stage_slots - cur;
+            norm_rows_async::<F, N>(x, &mut xb, g1, r1, hv, nxt, group, vpt, threads, nv);
+            norm_rows_async::<F, N>(dy, &mut gb, g1, r1, hv, nxt, group, vpt, threads, nv);
+            if comptime!(accumulate) {
+                norm_rows_async::<F, N>(dx, &mut ab, g1, r1, hv, nxt, group, vpt, threads, nv);
+            }
             #[unroll]
             for j in 0..group {
-                rc[j] = rn[j];
-            }
-            // Every unit has passed the wait above, so none still reads the other stage.
-            if k + 1 < n_groups {
-                let g1 = g0 + group;
-                let nxt = stage_slots - cur;
-                norm_rows_async::<F, N>(x, &mut xb, g1, r1, hv, nxt, group, vpt, threads, nv);
-                norm_rows_async::<F, N>(dy, &mut gb, g1, r1, hv, nxt, group, vpt, threads, nv);
-                if comptime!(accumulate) {
-                    norm_rows_async::<F, N>(dx, &mut ab, g1, r1, hv, nxt, group, vpt, threads, nv);
+                if g1 + j < r1 {
+                    rn[j] = inv_rms[g1 + j];
                 }
+            }
+        }
+        #[unroll]
+        for j in 0..group {
+            let row = g0 + j;
+            // Uniform over the cube, so the reduction's barrier is reached by all or none.
+            if row < r1 {
+                let r = rc[j];
+                let rv = Vector::<f32, N>::new(r);
+                let sb = cur + j * padded;
+                let mut dot = f32::new(0.0);
                 #[unroll]
-                for j in 0..group {
-                    if g1 + j < r1 {
-                        rn[j] = inv_rms[g1 + j];
+                for i in 0..vpt {
+                    let c = i * threads + t;
+                    if c < hv {
+                        let xv = Vector::<f32, N>::cast_from(xb[sb + c]);
+                        let g = Vector::<f32, N>::cast_from(gb[sb + c]);
+                        if comptime!(want_dw) {
+                            // The weight multiplied the normalized row as rounded in the forward.
+                            let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
+                            accm[c] += g * n;
+                        }
+                        dot += lane_sum::<N>(g * wsm[c] * xv, nv);
+                    }
+                }
+                let total = cube_sum_alternating(dot, &mut scratch, row % 2, threads);
+                let coef = Vector::<f32, N>::new(r * r * r * total / hidden);
+                #[unroll]
+                for i in 0..vpt {
+                    let c = i * threads + t;
+                    if c < hv {
+                        let xv = Vector::<f32, N>::cast_from(xb[sb + c]);
+                        let g = Vector::<f32, N>::cast_from(gb[sb + c]);
+                        let mut v = (g * wsm[c]) * rv - xv * coef;
+                        if comptime!(accumulate) {
+                            v += Vector::<f32, N>::cast_from(ab[sb + c]);
+                        }
+                        dx[row * hv + c] = Vector::<F, N>::cast_from(v);
                     }
                 }
             }
-            norm_bwd_stage_rows::<F, N>(
-                &xb,
-                &gb,
-                &ab,
-                &wsm,
-                &mut accm,
-                &mut scratch,
-                dx,
-                &rc,
-                g0,
-                r1,
-                cur,
-                hv,
-                hidden,
-                group,
-                vpt,
-                threads,
-                nv,
-                want_dw,
-                accumulate,
-            );
         }
     }
     if comptime!(want_dw) {
@@ -1355,14 +1185,6 @@ fn norm_bwd_tuning() -> Option<(usize, usize)> {
 fn norm_bwd_lean() -> bool {
     static LEAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *LEAN.get_or_init(|| std::env::var("SMP_BURN_NORM_BWD_LEAN").map_or(true, |v| v.trim() != "0"))
-}
-
-/// Whether the staged RMSNorm backward keeps two stages in flight (one barrier per stage;
-/// the default) or one (`SMP_BURN_NORM_BWD_AHEAD=0`, read once, for A/B runs).
-fn norm_bwd_ahead() -> bool {
-    static AHEAD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AHEAD
-        .get_or_init(|| std::env::var("SMP_BURN_NORM_BWD_AHEAD").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Launch shape of [`rms_norm_bwd_staged_kernel`].
@@ -1665,7 +1487,6 @@ pub fn rms_norm_backward<R: CubeRuntime>(
                 layout.group,
                 want_dw,
                 accumulate,
-                norm_bwd_ahead(),
                 dtype.into(),
             );
         }
