@@ -494,12 +494,16 @@ fn cube_sum_alternating(
 /// software-pipelined. Why: the legacy kernel loads a row, reduces it (two barriers) and stores
 /// it before it issues the next row's loads, so each cube has loads in flight only part of the
 /// time (1.35 TB/s on an H200). Here a thread issues the loads of row `i + 1` (`x`, `dy`,
-/// `inv_rms`, raw in registers) right after it has converted row `i`, so they are in flight
-/// while row `i` is reduced (one barrier, [`cube_sum_alternating`]) and stored. The loads come
-/// before the stores in program order, so the compiler needs no aliasing proof to overlap them.
-/// Cube = a block of `rows_per_cube` rows, thread `t` owns vectors `t, t + threads, ...` of each
-/// row; the host sizes the grid to about one wave, so the block's partial `dweight` row (f32)
-/// is short.
+/// `inv_rms`, raw in registers) right after it has taken row `i` out of those registers, so they
+/// are in flight while row `i` is reduced (one barrier, [`cube_sum_alternating`]) and stored.
+/// The loads come before the stores in program order, so the compiler needs no aliasing proof
+/// to overlap them. The current row stays raw (input dtype) across the reduction and is
+/// converted again after it, and the weight and the partial `dweight` row live in shared
+/// memory: both to save registers (calls DH, DI: 64-87 instead of 74-96, 20-30 % faster at
+/// h 2048 and 5120). Now the fallback of [`rms_norm_bwd_staged_kernel`] for rows too long to
+/// stage. Cube = a block of `rows_per_cube` rows, thread `t` owns vectors
+/// `t, t + threads, ...` of each row; the host sizes the grid to about one wave, so the
+/// block's partial `dweight` row (f32) is short.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
@@ -518,7 +522,6 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
     #[comptime] threads: usize,
     #[comptime] want_dw: bool,
     #[comptime] accumulate: bool,
-    #[comptime] lean: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let blk = CUBE_POS;
@@ -533,20 +536,20 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
     }
     let t = UNIT_POS as usize;
     let hv = row_vectors as usize;
+    let padded = comptime!(vpt * threads);
     let mut scratch = SharedMemory::<f32>::new(comptime!(2 * threads));
-    // Lean: the weight and the partial `dweight` row live in shared memory, not registers.
-    // Each thread only touches its own slots, so they need no barrier.
-    let cols = comptime!(if lean { 1 } else { vpt });
-    let col_slots = comptime!(if lean { vpt * threads } else { 1 });
-    let mut ws = Array::<Vector<f32, N>>::new(cols);
-    let mut acc = Array::<Vector<f32, N>>::new(cols);
-    let mut wsm = SharedMemory::<Vector<f32, N>>::new(col_slots);
-    let mut accm = SharedMemory::<Vector<f32, N>>::new(col_slots);
+    // Each thread only touches its own slots of these, so they need no barrier.
+    let mut wsm = SharedMemory::<Vector<f32, N>>::new(padded);
+    let mut accm = SharedMemory::<Vector<f32, N>>::new(padded);
     // Raw (input dtype) vectors of the next row, loaded one iteration ahead (with
-    // `accumulate`, also the gradient already in `dx`, which this row's result adds to).
+    // `accumulate`, also the gradient already in `dx`, which this row's result adds to), and
+    // of the current row.
     let mut xn = Array::<Vector<F, N>>::new(vpt);
     let mut gn = Array::<Vector<F, N>>::new(vpt);
     let mut an = Array::<Vector<F, N>>::new(vpt);
+    let mut xc = Array::<Vector<F, N>>::new(vpt);
+    let mut gc = Array::<Vector<F, N>>::new(vpt);
+    let mut ac = Array::<Vector<F, N>>::new(vpt);
     #[unroll]
     for i in 0..vpt {
         let c = i * threads + t;
@@ -559,55 +562,20 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
                 an[i] = dx[r0 * hv + c];
             }
         }
-        if comptime!(lean) {
-            wsm[c] = w;
-            accm[c] = Vector::<f32, N>::new(f32::new(0.0));
-        } else {
-            ws[i] = w;
-            acc[i] = Vector::<f32, N>::new(f32::new(0.0));
-        }
+        wsm[c] = w;
+        accm[c] = Vector::<f32, N>::new(f32::new(0.0));
     }
     let mut rn = inv_rms[r0];
-    // Lean: the current row stays raw (input dtype) and is converted again after the
-    // reduction, instead of being held in f32 across it (`xs`, `gs`, `dns`, `accs`).
-    let stash = comptime!(if lean { 1 } else { vpt });
-    let raw = comptime!(if lean { vpt } else { 1 });
-    let mut xs = Array::<Vector<f32, N>>::new(stash);
-    let mut gs = Array::<Vector<f32, N>>::new(stash);
-    let mut dns = Array::<Vector<f32, N>>::new(stash);
-    let mut accs = Array::<Vector<f32, N>>::new(stash);
-    let mut xc = Array::<Vector<F, N>>::new(raw);
-    let mut gc = Array::<Vector<F, N>>::new(raw);
-    let mut ac = Array::<Vector<F, N>>::new(raw);
     for row in r0..r1 {
         let base = row * hv;
         let r = rn;
         let rv = Vector::<f32, N>::new(r);
-        // Row `row` to f32 (vectors past the row end are zero and never stored), or, lean,
-        // moved raw out of the prefetch registers.
         #[unroll]
         for i in 0..vpt {
-            if comptime!(lean) {
-                xc[i] = xn[i];
-                gc[i] = gn[i];
-                if comptime!(accumulate) {
-                    ac[i] = an[i];
-                }
-            } else {
-                let c = i * threads + t;
-                let mut xv = Vector::<f32, N>::new(f32::new(0.0));
-                let mut g = Vector::<f32, N>::new(f32::new(0.0));
-                let mut a = Vector::<f32, N>::new(f32::new(0.0));
-                if c < hv {
-                    xv = Vector::<f32, N>::cast_from(xn[i]);
-                    g = Vector::<f32, N>::cast_from(gn[i]);
-                    if comptime!(accumulate) {
-                        a = Vector::<f32, N>::cast_from(an[i]);
-                    }
-                }
-                xs[i] = xv;
-                gs[i] = g;
-                accs[i] = a;
+            xc[i] = xn[i];
+            gc[i] = gn[i];
+            if comptime!(accumulate) {
+                ac[i] = an[i];
             }
         }
         // Issue the next row's loads now; they complete while this row is reduced and stored.
@@ -631,28 +599,16 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
         #[unroll]
         for i in 0..vpt {
             let c = i * threads + t;
-            if comptime!(lean) {
-                // Vectors past the row end hold stale or unset registers: skip them.
-                if c < hv {
-                    let xv = Vector::<f32, N>::cast_from(xc[i]);
-                    let g = Vector::<f32, N>::cast_from(gc[i]);
-                    if comptime!(want_dw) {
-                        let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
-                        accm[c] += g * n;
-                    }
-                    dot += lane_sum::<N>(g * wsm[c] * xv, nv);
-                }
-            } else {
-                let xv = xs[i];
-                let g = gs[i];
+            // Vectors past the row end hold stale or unset registers: skip them.
+            if c < hv {
+                let xv = Vector::<f32, N>::cast_from(xc[i]);
+                let g = Vector::<f32, N>::cast_from(gc[i]);
                 if comptime!(want_dw) {
                     // The weight multiplied the normalized row as rounded in the forward.
                     let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
-                    acc[i] += g * n;
+                    accm[c] += g * n;
                 }
-                let dn = g * ws[i];
-                dns[i] = dn;
-                dot += lane_sum::<N>(dn * xv, nv);
+                dot += lane_sum::<N>(g * wsm[c] * xv, nv);
             }
         }
         let total = cube_sum_alternating(dot, &mut scratch, row % 2, threads);
@@ -661,43 +617,43 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
         for i in 0..vpt {
             let c = i * threads + t;
             if c < hv {
-                if comptime!(lean) {
-                    let xv = Vector::<f32, N>::cast_from(xc[i]);
-                    let g = Vector::<f32, N>::cast_from(gc[i]);
-                    let mut v = (g * wsm[c]) * rv - xv * coef;
-                    if comptime!(accumulate) {
-                        v += Vector::<f32, N>::cast_from(ac[i]);
-                    }
-                    dx[base + c] = Vector::<F, N>::cast_from(v);
-                } else {
-                    let mut v = dns[i] * rv - xs[i] * coef;
-                    if comptime!(accumulate) {
-                        v += accs[i];
-                    }
-                    dx[base + c] = Vector::<F, N>::cast_from(v);
+                let xv = Vector::<f32, N>::cast_from(xc[i]);
+                let g = Vector::<f32, N>::cast_from(gc[i]);
+                let mut v = (g * wsm[c]) * rv - xv * coef;
+                if comptime!(accumulate) {
+                    v += Vector::<f32, N>::cast_from(ac[i]);
                 }
+                dx[base + c] = Vector::<F, N>::cast_from(v);
             }
         }
     }
     if comptime!(want_dw) {
-        #[unroll]
-        for i in 0..vpt {
-            let c = i * threads + t;
-            if c < hv {
-                let out = (blk * hv + c) * nv;
-                if comptime!(lean) {
-                    let a = accm[c];
-                    #[unroll]
-                    for k in 0..nv {
-                        partial[out + k] = a[k];
-                    }
-                } else {
-                    let a = acc[i];
-                    #[unroll]
-                    for k in 0..nv {
-                        partial[out + k] = a[k];
-                    }
-                }
+        write_partial_dweight::<N>(&accm, partial, blk, hv, vpt, threads, nv);
+    }
+}
+
+/// Writes a cube's partial `dweight` row (`accm`, the slots this thread owns) to row `blk` of
+/// `partial` (f32, `hv * nv` per row), for the column sum.
+#[cube]
+fn write_partial_dweight<N: Size>(
+    accm: &SharedMemory<Vector<f32, N>>,
+    partial: &mut Tensor<f32>,
+    blk: usize,
+    hv: usize,
+    #[comptime] vpt: usize,
+    #[comptime] threads: usize,
+    #[comptime] nv: usize,
+) {
+    let t = UNIT_POS as usize;
+    #[unroll]
+    for i in 0..vpt {
+        let c = i * threads + t;
+        if c < hv {
+            let out = (blk * hv + c) * nv;
+            let a = accm[c];
+            #[unroll]
+            for k in 0..nv {
+                partial[out + k] = a[k];
             }
         }
     }
@@ -743,8 +699,8 @@ fn norm_rows_async<F: Float, N: Size>(
     }
 }
 
-/// RMSNorm backward, staged: the formulas of [`rms_norm_bwd_v2_kernel`] (bitwise the same
-/// results), with the rows brought into shared memory by `cp.async`, `group` rows per stage and
+/// RMSNorm backward, staged: the formulas of [`rms_norm_bwd_v2_kernel`] in the same order (so
+/// bitwise its results where both give a thread the same vectors of a row), with the rows brought into shared memory by `cp.async`, `group` rows per stage and
 /// two stages, instead of through registers. Why: the register-pipelined kernel holds each byte
 /// in flight in a register, and CubeCL's generated code needs 64-90 registers for it, so an SM
 /// keeps only about 32 KB of loads in flight and the kernel reads at 1.2-1.8 TB/s (calls DH,
@@ -890,18 +846,7 @@ fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
         }
     }
     if comptime!(want_dw) {
-        #[unroll]
-        for i in 0..vpt {
-            let c = i * threads + t;
-            if c < hv {
-                let out = (blk * hv + c) * nv;
-                let a = accm[c];
-                #[unroll]
-                for k in 0..nv {
-                    partial[out + k] = a[k];
-                }
-            }
-        }
+        write_partial_dweight::<N>(&accm, partial, blk, hv, vpt, threads, nv);
     }
 }
 
@@ -1175,16 +1120,6 @@ fn norm_bwd_tuning() -> Option<(usize, usize)> {
         let cubes = c.trim().parse::<usize>().ok()?.clamp(1, 64);
         Some((threads, cubes))
     })
-}
-
-/// Whether the version-2 RMSNorm backward keeps the current row raw (input dtype) across its
-/// reduction and converts it again afterwards (the default), instead of holding it in f32:
-/// about 16 fewer registers per thread for bf16 rows, so two 512-thread cubes fit an SM's
-/// register file. Same arithmetic in the same order, so the results are bitwise equal.
-/// `SMP_BURN_NORM_BWD_LEAN=0` (read once) turns it off, for A/B runs.
-fn norm_bwd_lean() -> bool {
-    static LEAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *LEAN.get_or_init(|| std::env::var("SMP_BURN_NORM_BWD_LEAN").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Launch shape of [`rms_norm_bwd_staged_kernel`].
@@ -1541,7 +1476,6 @@ pub fn rms_norm_backward<R: CubeRuntime>(
                 threads,
                 want_dw,
                 accumulate,
-                norm_bwd_lean(),
                 dtype.into(),
             );
         }
