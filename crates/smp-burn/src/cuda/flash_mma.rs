@@ -2029,9 +2029,9 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
                 }
             }
 
-            // Warps whose keys all follow the block's last query see none of it
-            // (warp-uniform).
             // No key of the cube follows the block's first query: no causal mask (see the forward).
+            // Otherwise, warps whose keys all follow the block's last query see none of it
+            // (warp-uniform).
             if k0 + bk <= q0 + 1 {
                 dkdv_block::<F, N>(
                     &ks,
@@ -2588,8 +2588,8 @@ fn flash_bwd_dq_mma<F: Float, N: Size>(
             );
         }
 
-        // Warps whose rows all precede the block see none of its keys (warp-uniform).
         // No row of the cube precedes the block's last key: no causal mask (see the forward).
+        // Otherwise, warps whose rows all precede the block see none of its keys (warp-uniform).
         if k0 + bk <= q0 + 1 {
             dq_block::<F, N>(
                 &qs,

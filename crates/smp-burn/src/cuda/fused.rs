@@ -700,8 +700,9 @@ fn norm_rows_async<F: Float, N: Size>(
 }
 
 /// RMSNorm backward, staged: the formulas of [`rms_norm_bwd_v2_kernel`] in the same order (so
-/// bitwise its results where both give a thread the same vectors of a row), with the rows brought into shared memory by `cp.async`, `group` rows per stage and
-/// two stages, instead of through registers. Why: the register-pipelined kernel holds each byte
+/// bitwise its results where both give a thread the same vectors of a row), with the rows
+/// brought into shared memory by `cp.async`, `group` rows per stage and two stages, instead of
+/// through registers. Why: the register-pipelined kernel holds each byte
 /// in flight in a register, and CubeCL's generated code needs 64-90 registers for it, so an SM
 /// keeps only about 32 KB of loads in flight and the kernel reads at 1.2-1.8 TB/s (calls DH,
 /// DI). Here the next stage's rows (about 32 KB per cube) are in flight in shared memory,
@@ -1145,28 +1146,34 @@ const STAGED_NORM_SMEM_PER_SM: usize = 220 * 1024;
 /// for two stages in shared memory): then the version-2 kernel runs. Defaults:
 /// [`STAGED_NORM_THREADS`] threads (more where a thread would hold over eight vectors), about
 /// 32 KB of rows per stage (two cubes per SM then keep some 64 KB of loads in flight), and as
-/// many cubes per SM as shared memory allows, up to two. `SMP_BURN_NORM_BWD_STAGED=0` turns it off; `=threads,stage_kib,cubes_per_sm`
-/// sets the shape (read once, for tuning sweeps).
+/// many cubes per SM as shared memory allows, up to two. `SMP_BURN_NORM_BWD_STAGED=0` turns it
+/// off; `=threads,stage_kib,cubes_per_sm` sets the shape (read once, for tuning sweeps).
 fn norm_bwd_staged_layout(
     row_vectors: usize,
     nv: usize,
     elem_bytes: usize,
     accumulate: bool,
 ) -> Option<StagedNormLayout> {
-    static TUNING: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
-    let tuning = *TUNING.get_or_init(|| {
-        let v = std::env::var("SMP_BURN_NORM_BWD_STAGED").ok()?;
+    // `None`: turned off; unset or malformed: the defaults.
+    static SHAPE: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
+    let shape = *SHAPE.get_or_init(|| {
+        let default = (STAGED_NORM_THREADS, 32, 2);
+        let Ok(v) = std::env::var("SMP_BURN_NORM_BWD_STAGED") else {
+            return Some(default);
+        };
         if v.trim() == "0" {
-            return Some((0, 0, 0));
+            return None;
         }
         let mut it = v.split(',').map(|p| p.trim().parse::<usize>().ok());
-        let threads = it.next()??.next_multiple_of(32).clamp(32, 1024);
+        let Some(Some(threads)) = it.next() else {
+            return Some(default);
+        };
         let kib = it.next().flatten().unwrap_or(32).clamp(1, 96);
         let cubes = it.next().flatten().unwrap_or(2).clamp(1, 16);
-        Some((threads, kib, cubes))
+        Some((threads.next_multiple_of(32).clamp(32, 1024), kib, cubes))
     });
-    let (threads, stage_kib, max_cubes) = tuning.unwrap_or((STAGED_NORM_THREADS, 32, 2));
-    if threads == 0 || row_vectors == 0 {
+    let (threads, stage_kib, max_cubes) = shape?;
+    if row_vectors == 0 {
         return None;
     }
     // At most eight vectors per thread (the row loops are unrolled), at most a row's worth.
@@ -1180,10 +1187,8 @@ fn norm_bwd_staged_layout(
     let group = (stage_kib * 1024 / (row_bytes * streams)).clamp(1, 8);
     // Two stages of `group` rows per stream, the weight and partial-dweight rows (f32) and
     // the reduction scratch.
-    let smem = |group: usize| {
-        2 * group * row_bytes * streams + 2 * vpt * threads * nv * 4 + 2 * threads * 4
-    };
-    let cubes_per_sm = (STAGED_NORM_SMEM_PER_SM / smem(group)).min(max_cubes);
+    let smem = 2 * group * row_bytes * streams + 2 * vpt * threads * nv * 4 + 2 * threads * 4;
+    let cubes_per_sm = (STAGED_NORM_SMEM_PER_SM / smem).min(max_cubes);
     (cubes_per_sm >= 1).then_some(StagedNormLayout {
         threads,
         vpt,
