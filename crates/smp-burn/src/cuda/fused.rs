@@ -628,34 +628,31 @@ fn rms_norm_bwd_v2_kernel<F: Float, N: Size>(
         }
     }
     if comptime!(want_dw) {
-        write_partial_dweight::<N>(&accm, partial, blk, hv, vpt, threads, nv);
+        #[unroll]
+        for i in 0..vpt {
+            let c = i * threads + t;
+            if c < hv {
+                write_partial_vector::<N>(accm[c], partial, blk, hv, c, nv);
+            }
+        }
     }
 }
 
-/// Writes a cube's partial `dweight` row (`accm`, the slots this thread owns) to row `blk` of
-/// `partial` (f32, `hv * nv` per row), for the column sum.
+/// Writes vector `c` of a cube's partial `dweight` row to row `blk` of `partial` (f32,
+/// `hv * nv` per row), for the column sum.
 #[cube]
-fn write_partial_dweight<N: Size>(
-    accm: &SharedMemory<Vector<f32, N>>,
+fn write_partial_vector<N: Size>(
+    a: Vector<f32, N>,
     partial: &mut Tensor<f32>,
     blk: usize,
     hv: usize,
-    #[comptime] vpt: usize,
-    #[comptime] threads: usize,
+    c: usize,
     #[comptime] nv: usize,
 ) {
-    let t = UNIT_POS as usize;
+    let out = (blk * hv + c) * nv;
     #[unroll]
-    for i in 0..vpt {
-        let c = i * threads + t;
-        if c < hv {
-            let out = (blk * hv + c) * nv;
-            let a = accm[c];
-            #[unroll]
-            for k in 0..nv {
-                partial[out + k] = a[k];
-            }
-        }
+    for k in 0..nv {
+        partial[out + k] = a[k];
     }
 }
 
@@ -705,10 +702,14 @@ fn norm_rows_async<F: Float, N: Size>(
 /// through registers. Why: the register-pipelined kernel holds each byte
 /// in flight in a register, and CubeCL's generated code needs 64-90 registers for it, so an SM
 /// keeps only about 32 KB of loads in flight and the kernel reads at 1.2-1.8 TB/s (calls DH,
-/// DI). Here the next stage's rows (about 32 KB per cube) are in flight in shared memory,
-/// tracked by one cube barrier, while the current stage is reduced and stored.
-/// Cube = a block of `rows_per_cube` rows as in the version-2 kernel; the weight and the
-/// partial `dweight` row live in shared memory (each thread owns its slots).
+/// DI). Here the next stage's rows are in flight in shared memory, tracked by one cube
+/// barrier, while the current stage is reduced and stored.
+/// Cube = a block of `rows_per_cube` rows as in the version-2 kernel. The weight and the
+/// partial `dweight` row live in registers (at most four vectors per thread, so 64 f32 at
+/// most) and the stage's rows are reduced together behind one barrier: shared memory then
+/// holds only the stages, so an SM runs several cubes. Why: with both f32 rows in shared
+/// memory (32 KB per cube at h 4096) an SM ran two cubes of four warps and the kernel was
+/// latency-bound at 12.5 % occupancy (call DO).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
@@ -743,9 +744,9 @@ fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
     let hv = row_vectors as usize;
     let padded = comptime!(vpt * threads);
     let stage_slots = comptime!(group * vpt * threads);
-    let mut scratch = SharedMemory::<f32>::new(comptime!(2 * threads));
-    let mut wsm = SharedMemory::<Vector<f32, N>>::new(padded);
-    let mut accm = SharedMemory::<Vector<f32, N>>::new(padded);
+    // One slot per (row of the stage, plane); a single buffer suffices because every unit
+    // reads a stage's totals before it reaches the next stage's barrier.
+    let mut scratch = SharedMemory::<f32>::new(comptime!(group * threads));
     let mut xb = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * stage_slots), 128usize);
     let mut gb = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * stage_slots), 128usize);
     let mut ab = SharedMemory::<Vector<F, N>>::new_aligned(
@@ -759,6 +760,8 @@ fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
     if comptime!(accumulate) {
         norm_rows_async::<F, N>(dx, &mut ab, r0, r1, hv, 0usize, group, vpt, threads, nv);
     }
+    let mut wr = Array::<Vector<f32, N>>::new(vpt);
+    let mut acc = Array::<Vector<f32, N>>::new(vpt);
     #[unroll]
     for i in 0..vpt {
         let c = i * threads + t;
@@ -766,12 +769,13 @@ fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
         if c < hv {
             w = Vector::<f32, N>::cast_from(weight[c]);
         }
-        wsm[c] = w;
-        accm[c] = Vector::<f32, N>::new(f32::new(0.0));
+        wr[i] = w;
+        acc[i] = Vector::<f32, N>::new(f32::new(0.0));
     }
     // 1 / rms of the next stage's rows, loaded a stage ahead like the rows themselves.
     let mut rn = Array::<f32>::new(group);
     let mut rc = Array::<f32>::new(group);
+    let mut dots = Array::<f32>::new(group);
     #[unroll]
     for j in 0..group {
         rn[j] = f32::new(0.0);
@@ -805,15 +809,13 @@ fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
                 }
             }
         }
+        // Pass 1 over the stage's rows: the partial dweight and each row's dot product.
         #[unroll]
         for j in 0..group {
-            let row = g0 + j;
-            // Uniform over the cube, so the reduction's barrier is reached by all or none.
-            if row < r1 {
-                let r = rc[j];
-                let rv = Vector::<f32, N>::new(r);
+            let mut dot = f32::new(0.0);
+            if g0 + j < r1 {
+                let rv = Vector::<f32, N>::new(rc[j]);
                 let sb = cur + j * padded;
-                let mut dot = f32::new(0.0);
                 #[unroll]
                 for i in 0..vpt {
                     let c = i * threads + t;
@@ -821,22 +823,34 @@ fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
                         let xv = Vector::<f32, N>::cast_from(xb[sb + c]);
                         let g = Vector::<f32, N>::cast_from(gb[sb + c]);
                         if comptime!(want_dw) {
-                            // The weight multiplied the normalized row as rounded in the forward.
+                            // The weight multiplied the normalized row as rounded in the
+                            // forward.
                             let n = Vector::<f32, N>::cast_from(Vector::<F, N>::cast_from(xv * rv));
-                            accm[c] += g * n;
+                            acc[i] += g * n;
                         }
-                        dot += lane_sum::<N>(g * wsm[c] * xv, nv);
+                        dot += lane_sum::<N>(g * wr[i] * xv, nv);
                     }
                 }
-                let total = cube_sum_alternating(dot, &mut scratch, row % 2, threads);
-                let coef = Vector::<f32, N>::new(r * r * r * total / hidden);
+            }
+            dots[j] = dot;
+        }
+        cube_sums(&mut dots, &mut scratch, group, threads);
+        // Pass 2: dx.
+        #[unroll]
+        for j in 0..group {
+            let row = g0 + j;
+            if row < r1 {
+                let r = rc[j];
+                let rv = Vector::<f32, N>::new(r);
+                let coef = Vector::<f32, N>::new(r * r * r * dots[j] / hidden);
+                let sb = cur + j * padded;
                 #[unroll]
                 for i in 0..vpt {
                     let c = i * threads + t;
                     if c < hv {
                         let xv = Vector::<f32, N>::cast_from(xb[sb + c]);
                         let g = Vector::<f32, N>::cast_from(gb[sb + c]);
-                        let mut v = (g * wsm[c]) * rv - xv * coef;
+                        let mut v = (g * wr[i]) * rv - xv * coef;
                         if comptime!(accumulate) {
                             v += Vector::<f32, N>::cast_from(ab[sb + c]);
                         }
@@ -847,7 +861,43 @@ fn rms_norm_bwd_staged_kernel<F: Float, N: Size>(
         }
     }
     if comptime!(want_dw) {
-        write_partial_dweight::<N>(&accm, partial, blk, hv, vpt, threads, nv);
+        #[unroll]
+        for i in 0..vpt {
+            let c = i * threads + t;
+            if c < hv {
+                write_partial_vector::<N>(acc[i], partial, blk, hv, c, nv);
+            }
+        }
+    }
+}
+
+/// Replaces each of `values[0..count]` (one per unit of the cube) by its sum over the cube,
+/// behind one barrier, planes summed in the order of [`cube_sum_alternating`] (so bitwise its
+/// results). `scratch` holds `count * threads` f32; the caller must not reuse it before every
+/// unit has read the sums (a later barrier).
+#[cube]
+fn cube_sums(
+    values: &mut Array<f32>,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] count: usize,
+    #[comptime] threads: usize,
+) {
+    #[unroll]
+    for j in 0..count {
+        let plane_total = plane_sum(values[j]);
+        if UNIT_POS_PLANE == 0 {
+            scratch[j * threads + PLANE_POS as usize] = plane_total;
+        }
+    }
+    sync_cube();
+    let planes = (CUBE_DIM + PLANE_DIM - 1) / PLANE_DIM;
+    #[unroll]
+    for j in 0..count {
+        let mut total = f32::new(0.0);
+        for i in 0..planes as usize {
+            total += scratch[j * threads + i];
+        }
+        values[j] = total;
     }
 }
 
@@ -1137,6 +1187,21 @@ struct StagedNormLayout {
 /// within noise of it at every Llama width (256 and 512 were up to 2 % and 28 % slower).
 const STAGED_NORM_THREADS: usize = 128;
 
+/// Kilobytes of rows per stage and cubes per SM of the staged RMSNorm backward, by default.
+/// One row per stage at the Llama widths, so shared memory admits several cubes per SM.
+const STAGED_NORM_STAGE_KIB: usize = 16;
+const STAGED_NORM_CUBES_PER_SM: usize = 4;
+
+/// Vectors of a row one thread of the staged RMSNorm backward owns, at most: the weight and
+/// the partial dweight take `2 * nv` f32 registers per vector.
+const STAGED_NORM_MAX_VPT: usize = 4;
+
+/// Threads per cube of the staged RMSNorm backward, at most: CubeCL bounds a kernel's
+/// registers by its cube size, and at 256 threads a unit may still use 255, which the
+/// register-held rows need. Longer rows (over 8,192 bf16 or 4,096 f32) take the version-2
+/// kernel.
+const STAGED_NORM_MAX_THREADS: usize = 256;
+
 /// Shared memory one SM offers the cubes of the staged RMSNorm backward (an H100/H200 has
 /// 228 KB; a little is reserved per cube).
 const STAGED_NORM_SMEM_PER_SM: usize = 220 * 1024;
@@ -1144,10 +1209,11 @@ const STAGED_NORM_SMEM_PER_SM: usize = 220 * 1024;
 /// The staged RMSNorm backward's launch shape for rows of `row_vectors` vectors of `nv`
 /// elements of `elem_bytes`, or `None` where it does not apply (turned off, or a row too long
 /// for two stages in shared memory): then the version-2 kernel runs. Defaults:
-/// [`STAGED_NORM_THREADS`] threads (more where a thread would hold over eight vectors), about
-/// 32 KB of rows per stage (two cubes per SM then keep some 64 KB of loads in flight), and as
-/// many cubes per SM as shared memory allows, up to two. `SMP_BURN_NORM_BWD_STAGED=0` turns it
-/// off; `=threads,stage_kib,cubes_per_sm` sets the shape (read once, for tuning sweeps).
+/// [`STAGED_NORM_THREADS`] threads (more where a thread would hold over
+/// [`STAGED_NORM_MAX_VPT`] vectors), about [`STAGED_NORM_STAGE_KIB`] KB of rows per stage, and
+/// as many cubes per SM as shared memory allows, up to [`STAGED_NORM_CUBES_PER_SM`].
+/// `SMP_BURN_NORM_BWD_STAGED=0` turns it off; `=threads,stage_kib,cubes_per_sm` sets the shape
+/// (read once, for tuning sweeps).
 fn norm_bwd_staged_layout(
     row_vectors: usize,
     nv: usize,
@@ -1157,7 +1223,11 @@ fn norm_bwd_staged_layout(
     // `None`: turned off; unset or malformed: the defaults.
     static SHAPE: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
     let shape = *SHAPE.get_or_init(|| {
-        let default = (STAGED_NORM_THREADS, 32, 2);
+        let default = (
+            STAGED_NORM_THREADS,
+            STAGED_NORM_STAGE_KIB,
+            STAGED_NORM_CUBES_PER_SM,
+        );
         let Ok(v) = std::env::var("SMP_BURN_NORM_BWD_STAGED") else {
             return Some(default);
         };
@@ -1168,33 +1238,59 @@ fn norm_bwd_staged_layout(
         let Some(Some(threads)) = it.next() else {
             return Some(default);
         };
-        let kib = it.next().flatten().unwrap_or(32).clamp(1, 96);
-        let cubes = it.next().flatten().unwrap_or(2).clamp(1, 16);
-        Some((threads.next_multiple_of(32).clamp(32, 1024), kib, cubes))
+        let kib = it.next().flatten().unwrap_or(default.1).clamp(1, 96);
+        let cubes = it.next().flatten().unwrap_or(default.2).clamp(1, 16);
+        Some((
+            threads
+                .next_multiple_of(32)
+                .clamp(32, STAGED_NORM_MAX_THREADS),
+            kib,
+            cubes,
+        ))
     });
     let (threads, stage_kib, max_cubes) = shape?;
     if row_vectors == 0 {
         return None;
     }
-    // At most eight vectors per thread (the row loops are unrolled), at most a row's worth.
+    // At most `STAGED_NORM_MAX_VPT` vectors per thread (the row loops are unrolled and the
+    // thread's weight and dweight slices live in registers), at most a row's worth.
     let threads = threads
-        .max(row_vectors.div_ceil(8).next_multiple_of(32))
-        .min(row_vectors.next_multiple_of(32))
-        .min(1024);
+        .max(
+            row_vectors
+                .div_ceil(STAGED_NORM_MAX_VPT)
+                .next_multiple_of(32),
+        )
+        .min(row_vectors.next_multiple_of(32));
+    if threads > STAGED_NORM_MAX_THREADS {
+        return None;
+    }
     let vpt = row_vectors.div_ceil(threads);
     let streams = if accumulate { 3 } else { 2 };
     let row_bytes = vpt * threads * nv * elem_bytes;
     let group = (stage_kib * 1024 / (row_bytes * streams)).clamp(1, 8);
-    // Two stages of `group` rows per stream, the weight and partial-dweight rows (f32) and
-    // the reduction scratch.
-    let smem = 2 * group * row_bytes * streams + 2 * vpt * threads * nv * 4 + 2 * threads * 4;
-    let cubes_per_sm = (STAGED_NORM_SMEM_PER_SM / smem).min(max_cubes);
+    let cubes_per_sm = (STAGED_NORM_SMEM_PER_SM
+        / staged_norm_smem(threads, vpt, group, nv, elem_bytes, accumulate))
+    .min(max_cubes);
     (cubes_per_sm >= 1).then_some(StagedNormLayout {
         threads,
         vpt,
         group,
         cubes_per_sm,
     })
+}
+
+/// Shared memory of one cube of the staged RMSNorm backward: two stages of `group` rows per
+/// stream and the reduction scratch.
+fn staged_norm_smem(
+    threads: usize,
+    vpt: usize,
+    group: usize,
+    nv: usize,
+    elem_bytes: usize,
+    accumulate: bool,
+) -> usize {
+    let streams = if accumulate { 3 } else { 2 };
+    2 * group * vpt * threads * nv * elem_bytes * streams + group * threads * 4
 }
 
 /// The device's SM count, or [`DEFAULT_SMS`].
@@ -2078,19 +2174,21 @@ mod tests {
                 let Some(l) = norm_bwd_staged_layout(row_vectors, nv, elem_bytes, accumulate)
                 else {
                     assert!(
-                        hidden * elem_bytes >= 32 * 1024,
+                        row_vectors > STAGED_NORM_MAX_THREADS * STAGED_NORM_MAX_VPT,
                         "hidden {hidden} x {elem_bytes} B fell back though short"
                     );
                     continue;
                 };
-                assert!(l.threads % 32 == 0 && l.threads <= 1024, "{l:?}");
-                assert!(l.vpt <= 8 && l.vpt * l.threads >= row_vectors, "{l:?}");
+                assert!(
+                    l.threads % 32 == 0 && l.threads <= STAGED_NORM_MAX_THREADS,
+                    "{l:?}"
+                );
+                assert!(
+                    l.vpt <= STAGED_NORM_MAX_VPT && l.vpt * l.threads >= row_vectors,
+                    "{l:?}"
+                );
                 assert!((1..=8).contains(&l.group) && l.cubes_per_sm >= 1, "{l:?}");
-                let streams = if accumulate { 3 } else { 2 };
-                let padded = l.vpt * l.threads;
-                let smem = 2 * l.group * padded * nv * elem_bytes * streams
-                    + 2 * padded * nv * 4
-                    + 2 * l.threads * 4;
+                let smem = staged_norm_smem(l.threads, l.vpt, l.group, nv, elem_bytes, accumulate);
                 assert!(
                     smem * l.cubes_per_sm <= STAGED_NORM_SMEM_PER_SM,
                     "hidden {hidden}: {smem} B x {} cubes",
