@@ -1173,6 +1173,26 @@ fn norm_bwd_tuning() -> Option<(usize, usize)> {
     })
 }
 
+/// `SMP_BURN_COLSUM=lanes,groups` (for tuning sweeps, read once): the version-2 column sum's
+/// column vectors and row groups per cube (at most 1024 threads). Unset or malformed:
+/// [`COLSUM_V2_LANES`], [`COLSUM_V2_GROUPS`].
+fn colsum_tuning() -> (usize, usize) {
+    static TUNING: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *TUNING.get_or_init(|| {
+        let default = (COLSUM_V2_LANES, COLSUM_V2_GROUPS);
+        let Some((l, g)) = std::env::var("SMP_BURN_COLSUM").ok().and_then(|v| {
+            Some((
+                v.split_once(',')?.0.trim().parse::<usize>().ok()?,
+                v.split_once(',')?.1.trim().parse::<usize>().ok()?,
+            ))
+        }) else {
+            return default;
+        };
+        let lanes = l.clamp(1, 32);
+        (lanes, g.clamp(1, 1024 / lanes))
+    })
+}
+
 /// Launch shape of [`rms_norm_bwd_staged_kernel`].
 #[derive(Clone, Copy, Debug)]
 struct StagedNormLayout {
@@ -1606,22 +1626,23 @@ pub fn rms_norm_backward<R: CubeRuntime>(
                 .find(|w| hidden.is_multiple_of(*w))
                 .unwrap_or(1);
             let col_vectors = hidden / mv;
+            let (colsum_lanes, colsum_groups) = colsum_tuning();
             // SAFETY: one thread per (column vector, group); column vectors past `col_vectors`
             // only write shared memory; rows stay below `blocks`; `dw` has `col_vectors * mv`
             // elements.
             unsafe {
                 column_sum_v2_kernel::launch_unchecked::<R>(
                     &client,
-                    CubeCount::Static(col_vectors.div_ceil(COLSUM_V2_LANES) as u32, 1, 1),
-                    CubeDim::new_1d((COLSUM_V2_LANES * COLSUM_V2_GROUPS) as u32),
+                    CubeCount::Static(col_vectors.div_ceil(colsum_lanes) as u32, 1, 1),
+                    CubeDim::new_1d((colsum_lanes * colsum_groups) as u32),
                     mv,
                     partial.into_tensor_arg(),
                     dw.clone().into_tensor_arg(),
                     blocks as u32,
                     col_vectors as u32,
                     mv,
-                    COLSUM_V2_LANES,
-                    COLSUM_V2_GROUPS,
+                    colsum_lanes,
+                    colsum_groups,
                     dtype.into(),
                 );
             }
