@@ -1851,7 +1851,7 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
-    dq_acc: &mut Tensor<Atomic<f32>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
     scale: f32,
     seq_len: u32,
     group: u32,
@@ -2126,7 +2126,7 @@ fn fused_dq_block<F: Float, N: Size>(
     ds: &Array<f32>,
     dss: &mut SharedMemory<Vector<F, Const<2>>>,
     ks: &SharedMemory<Vector<F, N>>,
-    dq_acc: &mut Tensor<Atomic<f32>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
     b: usize,
     h: usize,
     q0: usize,
@@ -2180,8 +2180,9 @@ fn fused_dq_block<F: Float, N: Size>(
             #[unroll]
             for j in 0..comptime!(cw / 8) {
                 let pair = dq_frags.index(j)[hh];
-                dq_acc[rb + 8 * j].fetch_add(pair[0]);
-                dq_acc[rb + 8 * j + 1].fetch_add(pair[1]);
+                // One 8-byte atomic per column pair (sm_90 adds f32 pairs natively): half the
+                // atomics of two scalar adds. `rb` is even (even `c0 + c_lo`, even strides).
+                dq_acc[(rb + 8 * j) / 2].fetch_add(pair);
             }
         }
     }
@@ -2204,7 +2205,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
-    dq_acc: &mut Tensor<Atomic<f32>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
     scale: f32,
     seq_len: u32,
     group: u32,

@@ -903,10 +903,12 @@ fn cube_sums(
 
 /// `out[c] = sum_b partial[b, c]` in a fixed order, version 2: reads `partial` in vectors of
 /// `mv` f32 (`col_vectors = cols / mv`). Cube = `lanes` consecutive column vectors x `groups`
-/// row groups (thread `t`: vector `t % lanes`, group `t / lanes`); group `g` adds rows
-/// `g, g + groups, ...` four at a time, then group 0 adds the groups' sums in order. Why: more
-/// and wider loads in flight than [`column_sum_kernel`] (32 groups of 16-byte loads), so the
-/// partial sums cost about one memory latency, not one per four rows.
+/// row groups (thread `t`: vector `t % lanes`, group `t / lanes`; `groups` a power of two);
+/// group `g` adds rows `g, g + groups, ...` four at a time, then the groups' sums are added
+/// pairwise in shared memory (a tree of `log2(groups)` levels). Why: more and wider loads in
+/// flight than [`column_sum_kernel`] (16-byte loads, every group's rows at once), so the
+/// partial sums cost about one memory latency; the tree keeps the final sum short when many
+/// groups split the rows (call DR: group 0 adding 128 or 256 sums in turn took 6-16 us).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn column_sum_v2_kernel<F: Float, M: Size>(
@@ -953,15 +955,22 @@ fn column_sum_v2_kernel<F: Float, M: Size>(
         sums[slot + l] = acc[l];
     }
     sync_cube();
+    let mut half = comptime!(groups / 2).runtime();
+    while half > 0 {
+        if g < half {
+            let other = ((g + half) * lanes + lane) * mv;
+            #[unroll]
+            for l in 0..mv {
+                sums[slot + l] += sums[other + l];
+            }
+        }
+        sync_cube();
+        half /= 2;
+    }
     if g == 0 && c < nc {
         #[unroll]
         for l in 0..mv {
-            let mut total = f32::new(0.0);
-            #[unroll]
-            for i in 0..groups {
-                total += sums[(i * lanes + lane) * mv + l];
-            }
-            out[c * mv + l] = F::cast_from(total);
+            out[c * mv + l] = F::cast_from(sums[slot + l]);
         }
     }
 }
@@ -1189,7 +1198,9 @@ fn colsum_tuning() -> (usize, usize) {
             return default;
         };
         let lanes = l.clamp(1, 32);
-        (lanes, g.clamp(1, 1024 / lanes))
+        // A power of two: the kernel's final sum is a pairwise tree.
+        let groups = g.clamp(1, 1024 / lanes);
+        (lanes, 1 << groups.ilog2())
     })
 }
 
@@ -1210,7 +1221,7 @@ const STAGED_NORM_THREADS: usize = 128;
 /// Kilobytes of rows per stage and cubes per SM of the staged RMSNorm backward, by default.
 /// One row per stage at the Llama widths, so shared memory admits several cubes per SM.
 const STAGED_NORM_STAGE_KIB: usize = 16;
-const STAGED_NORM_CUBES_PER_SM: usize = 4;
+const STAGED_NORM_CUBES_PER_SM: usize = 3;
 
 /// Vectors of a row one thread of the staged RMSNorm backward owns, at most: the weight and
 /// the partial dweight take `2 * nv` f32 registers per vector.
