@@ -78,7 +78,7 @@
 //!   `inner + 8`), and after a barrier the cube computes the block's `dQ += dS K` (`inner x d`)
 //!   as one tile per warp (`mma_atb_acc`: the stored `dS^T` read with transposed `ldmatrix`
 //!   is the A operand `dS`, K the B operand as V is in the forward) and adds it to an f32
-//!   `[B, Hq, S, D]` buffer with `atomicAdd`; an element-wise kernel then writes `dq = acc *
+//!   `[B, Hq, S, D]` buffer with `atomicAdd` of f32 pairs (sm_90); an element-wise kernel then writes `dq = acc *
 //!   scale` in the input dtype. 5 products per block pair; dQ's f32 summation order varies
 //!   between runs.
 //! - dQ, [`MmaDq::Split`]: a separate kernel shaped like the forward (a cube per query block
@@ -273,7 +273,10 @@ pub enum MmaDq {
     /// shared memory once, multiplies it by its K block and adds the partial dQ to an f32
     /// buffer with atomics (then one element-wise pass scales and rounds it). 5 matrix
     /// products per (key block, query block) pair instead of 7; dQ is not bitwise
-    /// reproducible (the order of the f32 additions varies between runs).
+    /// reproducible (the order of the f32 additions varies between runs). Each lane adds its
+    /// f32 column pairs with one 8-byte atomic, so it needs sm_90 or later (call DS: +13-18 %
+    /// over two scalar atomics; 8x64-atomic-cp-vd then beats the split default by 2 % at S
+    /// 16384 and trails it by 5 % at 4096).
     Atomic,
     /// A separate kernel per query block that recomputes `S` and `dP` (the Cmma backward's
     /// decomposition): 7 products, no atomics, deterministic.
@@ -2972,6 +2975,19 @@ pub fn mma_async_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
     features.copy_async && features.supports_type(OpaqueType::Barrier(BarrierLevel::Cube))
 }
 
+/// Whether the device adds pairs of f32 atomically in global memory (CUDA sm_90 and later), as
+/// the [`MmaDq::Atomic`] tilings do.
+fn pair_atomics_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+    let pair = cubecl::ir::Type::new(cubecl::ir::StorageType::Atomic(ElemType::Float(
+        FloatKind::F32,
+    )))
+    .with_vector_size(2);
+    client
+        .properties()
+        .atomic_type_usage(pair)
+        .contains(cubecl::ir::features::AtomicUsage::Add)
+}
+
 /// `dq = dq_acc * scale` rounded to `F`, element-wise over the flat buffers of `len` elements
 /// (dense, with the same strides, so any shared layout): the last step of the [`MmaDq::Atomic`]
 /// scheme.
@@ -3019,6 +3035,13 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     let dtype = q.dtype;
     let nv = vector_width(&[&q, &k, &v, &d_o]);
     let fused = tiling.dq == MmaDq::Atomic;
+    if fused {
+        assert!(
+            pair_atomics_supported(&client),
+            "flash attention backward (Mma): {tiling} adds f32 pairs atomically, which needs \
+             sm_90 or later; use a -split tiling"
+        );
+    }
     // cp.async copies 4, 8 or 16 bytes: 2-byte elements need vectors of 2 or more (always the
     // case for contiguous inputs); narrower ones fall back to the register prefetch.
     let async_copy = tiling.pipe == MmaBwdPipe::Async && nv >= 2;

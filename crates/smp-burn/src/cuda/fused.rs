@@ -903,12 +903,10 @@ fn cube_sums(
 
 /// `out[c] = sum_b partial[b, c]` in a fixed order, version 2: reads `partial` in vectors of
 /// `mv` f32 (`col_vectors = cols / mv`). Cube = `lanes` consecutive column vectors x `groups`
-/// row groups (thread `t`: vector `t % lanes`, group `t / lanes`; `groups` a power of two);
-/// group `g` adds rows `g, g + groups, ...` four at a time, then the groups' sums are added
-/// pairwise in shared memory (a tree of `log2(groups)` levels). Why: more and wider loads in
-/// flight than [`column_sum_kernel`] (16-byte loads, every group's rows at once), so the
-/// partial sums cost about one memory latency; the tree keeps the final sum short when many
-/// groups split the rows (call DR: group 0 adding 128 or 256 sums in turn took 6-16 us).
+/// row groups (thread `t`: vector `t % lanes`, group `t / lanes`); group `g` adds rows
+/// `g, g + groups, ...` four at a time, then group 0 adds the groups' sums in order. Why: more
+/// and wider loads in flight than [`column_sum_kernel`] (32 groups of 16-byte loads), so the
+/// partial sums cost about one memory latency, not one per four rows.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn column_sum_v2_kernel<F: Float, M: Size>(
@@ -955,22 +953,15 @@ fn column_sum_v2_kernel<F: Float, M: Size>(
         sums[slot + l] = acc[l];
     }
     sync_cube();
-    let mut half = comptime!(groups / 2).runtime();
-    while half > 0 {
-        if g < half {
-            let other = ((g + half) * lanes + lane) * mv;
-            #[unroll]
-            for l in 0..mv {
-                sums[slot + l] += sums[other + l];
-            }
-        }
-        sync_cube();
-        half /= 2;
-    }
     if g == 0 && c < nc {
         #[unroll]
         for l in 0..mv {
-            out[c * mv + l] = F::cast_from(sums[slot + l]);
+            let mut total = f32::new(0.0);
+            #[unroll]
+            for i in 0..groups {
+                total += sums[(i * lanes + lane) * mv + l];
+            }
+            out[c * mv + l] = F::cast_from(total);
         }
     }
 }
@@ -1182,28 +1173,6 @@ fn norm_bwd_tuning() -> Option<(usize, usize)> {
     })
 }
 
-/// `SMP_BURN_COLSUM=lanes,groups` (for tuning sweeps, read once): the version-2 column sum's
-/// column vectors and row groups per cube (at most 1024 threads). Unset or malformed:
-/// [`COLSUM_V2_LANES`], [`COLSUM_V2_GROUPS`].
-fn colsum_tuning() -> (usize, usize) {
-    static TUNING: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
-    *TUNING.get_or_init(|| {
-        let default = (COLSUM_V2_LANES, COLSUM_V2_GROUPS);
-        let Some((l, g)) = std::env::var("SMP_BURN_COLSUM").ok().and_then(|v| {
-            Some((
-                v.split_once(',')?.0.trim().parse::<usize>().ok()?,
-                v.split_once(',')?.1.trim().parse::<usize>().ok()?,
-            ))
-        }) else {
-            return default;
-        };
-        let lanes = l.clamp(1, 32);
-        // A power of two: the kernel's final sum is a pairwise tree.
-        let groups = g.clamp(1, 1024 / lanes);
-        (lanes, 1 << groups.ilog2())
-    })
-}
-
 /// Launch shape of [`rms_norm_bwd_staged_kernel`].
 #[derive(Clone, Copy, Debug)]
 struct StagedNormLayout {
@@ -1218,10 +1187,21 @@ struct StagedNormLayout {
 /// within noise of it at every Llama width (256 and 512 were up to 2 % and 28 % slower).
 const STAGED_NORM_THREADS: usize = 128;
 
-/// Kilobytes of rows per stage and cubes per SM of the staged RMSNorm backward, by default.
-/// One row per stage at the Llama widths, so shared memory admits several cubes per SM.
-const STAGED_NORM_STAGE_KIB: usize = 16;
-const STAGED_NORM_CUBES_PER_SM: usize = 3;
+/// Kilobytes of rows per stage of the staged RMSNorm backward, by default: one row per stage
+/// at the Llama widths (2,048 and wider), so shared memory admits several cubes per SM.
+const STAGED_NORM_STAGE_KIB: usize = 8;
+
+/// Bytes of rows the staged RMSNorm backward's cubes on one SM should have in flight (one
+/// stage each): the default cube count per SM is this over a stage's bytes, within
+/// [`STAGED_NORM_CUBES_PER_SM`]. Why: in calls DQ-DS the fastest count (kernel and column sum
+/// by device time) at the Llama widths, plain and adding into a gradient, was 4 cubes for
+/// 8-12 KB of rows per stage, 3 for 16 KB and 2 for 20-30 KB. More cubes each add a partial
+/// dweight row per SM to the column sum (about 1.5 us per 132 rows at h 4096).
+const STAGED_NORM_INFLIGHT_PER_SM: usize = 48 * 1024;
+
+/// Cubes per SM of the staged RMSNorm backward by default, at least and at most: at 4 the
+/// kernel's 118-124 registers at 128 threads fill the register file (call DQ).
+const STAGED_NORM_CUBES_PER_SM: std::ops::RangeInclusive<usize> = 2..=4;
 
 /// Vectors of a row one thread of the staged RMSNorm backward owns, at most: the weight and
 /// the partial dweight take `2 * nv` f32 registers per vector.
@@ -1242,7 +1222,8 @@ const STAGED_NORM_SMEM_PER_SM: usize = 220 * 1024;
 /// for two stages in shared memory): then the version-2 kernel runs. Defaults:
 /// [`STAGED_NORM_THREADS`] threads (more where a thread would hold over
 /// [`STAGED_NORM_MAX_VPT`] vectors), about [`STAGED_NORM_STAGE_KIB`] KB of rows per stage, and
-/// as many cubes per SM as shared memory allows, up to [`STAGED_NORM_CUBES_PER_SM`].
+/// [`STAGED_NORM_INFLIGHT_PER_SM`] over a stage's bytes cubes per SM (within
+/// [`STAGED_NORM_CUBES_PER_SM`] and what shared memory allows).
 /// `SMP_BURN_NORM_BWD_STAGED=0` turns it off; `=threads,stage_kib,cubes_per_sm` sets the shape
 /// (read once, for tuning sweeps).
 fn norm_bwd_staged_layout(
@@ -1251,14 +1232,12 @@ fn norm_bwd_staged_layout(
     elem_bytes: usize,
     accumulate: bool,
 ) -> Option<StagedNormLayout> {
-    // `None`: turned off; unset or malformed: the defaults.
-    static SHAPE: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
+    // `None`: turned off; unset or malformed: the defaults (cubes per SM `None`: by the bytes
+    // in flight).
+    type Shape = (usize, usize, Option<usize>);
+    static SHAPE: std::sync::OnceLock<Option<Shape>> = std::sync::OnceLock::new();
     let shape = *SHAPE.get_or_init(|| {
-        let default = (
-            STAGED_NORM_THREADS,
-            STAGED_NORM_STAGE_KIB,
-            STAGED_NORM_CUBES_PER_SM,
-        );
+        let default = (STAGED_NORM_THREADS, STAGED_NORM_STAGE_KIB, None);
         let Ok(v) = std::env::var("SMP_BURN_NORM_BWD_STAGED") else {
             return Some(default);
         };
@@ -1270,7 +1249,7 @@ fn norm_bwd_staged_layout(
             return Some(default);
         };
         let kib = it.next().flatten().unwrap_or(default.1).clamp(1, 96);
-        let cubes = it.next().flatten().unwrap_or(default.2).clamp(1, 16);
+        let cubes = it.next().flatten().map(|c| c.clamp(1, 16));
         Some((
             threads
                 .next_multiple_of(32)
@@ -1299,6 +1278,12 @@ fn norm_bwd_staged_layout(
     let streams = if accumulate { 3 } else { 2 };
     let row_bytes = vpt * threads * nv * elem_bytes;
     let group = (stage_kib * 1024 / (row_bytes * streams)).clamp(1, 8);
+    let max_cubes = max_cubes.unwrap_or_else(|| {
+        (STAGED_NORM_INFLIGHT_PER_SM / (group * row_bytes * streams)).clamp(
+            *STAGED_NORM_CUBES_PER_SM.start(),
+            *STAGED_NORM_CUBES_PER_SM.end(),
+        )
+    });
     let cubes_per_sm = (STAGED_NORM_SMEM_PER_SM
         / staged_norm_smem(threads, vpt, group, nv, elem_bytes, accumulate))
     .min(max_cubes);
@@ -1637,23 +1622,22 @@ pub fn rms_norm_backward<R: CubeRuntime>(
                 .find(|w| hidden.is_multiple_of(*w))
                 .unwrap_or(1);
             let col_vectors = hidden / mv;
-            let (colsum_lanes, colsum_groups) = colsum_tuning();
             // SAFETY: one thread per (column vector, group); column vectors past `col_vectors`
             // only write shared memory; rows stay below `blocks`; `dw` has `col_vectors * mv`
             // elements.
             unsafe {
                 column_sum_v2_kernel::launch_unchecked::<R>(
                     &client,
-                    CubeCount::Static(col_vectors.div_ceil(colsum_lanes) as u32, 1, 1),
-                    CubeDim::new_1d((colsum_lanes * colsum_groups) as u32),
+                    CubeCount::Static(col_vectors.div_ceil(COLSUM_V2_LANES) as u32, 1, 1),
+                    CubeDim::new_1d((COLSUM_V2_LANES * COLSUM_V2_GROUPS) as u32),
                     mv,
                     partial.into_tensor_arg(),
                     dw.clone().into_tensor_arg(),
                     blocks as u32,
                     col_vectors as u32,
                     mv,
-                    colsum_lanes,
-                    colsum_groups,
+                    COLSUM_V2_LANES,
+                    COLSUM_V2_GROUPS,
                     dtype.into(),
                 );
             }
@@ -2187,6 +2171,30 @@ pub fn rope_plain(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The default cubes per SM of the staged RMSNorm backward at the Llama widths (bf16) are
+    /// the ones calls DQ-DS measured fastest: about 48 KB of rows in flight per SM.
+    #[test]
+    fn staged_norm_cubes_follow_bytes_in_flight() {
+        if std::env::var_os("SMP_BURN_NORM_BWD_STAGED").is_some() {
+            return;
+        }
+        for (hidden, accumulate, cubes) in [
+            (2048, false, 4),
+            (2048, true, 4),
+            (4096, false, 3),
+            (4096, true, 2),
+            (5120, false, 2),
+            (5120, true, 2),
+        ] {
+            let l = norm_bwd_staged_layout(hidden / 8, 8, 2, accumulate).unwrap();
+            assert_eq!(
+                (l.group, l.cubes_per_sm),
+                (1, cubes),
+                "hidden {hidden}, adding {accumulate}: {l:?}"
+            );
+        }
+    }
 
     /// The staged RMSNorm backward's shape keeps every thread's row slice short (the loops are
     /// unrolled), covers the row, and fits its two stages plus the f32 rows into an SM's
