@@ -1,7 +1,7 @@
 #!/bin/bash
 # Runs from the repository root on the device machine with .gpu/ holding the stripped, gzipped
 # fused_check and norm_sweep.py. The whole log goes to $OUT/dr.log; stdout gets the summary.
-# Call DR (1 x H200): the column sum after the staged RMSNorm backward. Call DQ: with 3-4
+# (SMP_BURN_COLSUM existed only in build 239b5a0.) Call DR (1 x H200): the column sum after the staged RMSNorm backward. Call DQ: with 3-4
 # cubes per SM (396-528 partial rows) it takes 6.0-6.3 us at h 4096, as long as 18 % of the
 # kernel, because its 128 cubes of 256 threads (one per SM) each chain three rounds of loads.
 # Sweep of SMP_BURN_COLSUM=lanes,groups against SMP_BURN_NORM_BWD_STAGED shapes; device time
