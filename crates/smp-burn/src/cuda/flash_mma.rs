@@ -491,17 +491,23 @@ pub fn mma_supported<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType) ->
 // Fragment helpers (device side). One warp each; `lane` is UNIT_POS_PLANE.
 // ------------------------------------------------------------------------------------------
 
-/// `ldmatrix.x4` (optionally `.trans`) from a shared tile of `nv`-element vectors; `elem_off` is
-/// the element offset of the 16-byte row this lane supplies (a multiple of 8).
+/// `ldmatrix.x4` (optionally `.trans`) from a shared tile of `nv`-element vectors: the 16-byte
+/// row this lane supplies starts at element `base + offset`, both multiples of `nv`. Why two
+/// parts: callers pass the lane's runtime offset, the same for every call of an unrolled loop,
+/// as `base` and the loop's part as the comptime `offset`, so each load's index is one
+/// loop-invariant value plus a constant, which the compiler folds into the instruction's
+/// immediate. A single runtime `(base + offset) / nv` cost a shift and address arithmetic per
+/// load (call DF: about 500 integer instructions per block pair in the dK/dV kernel).
 #[cube]
 fn ldsm_x4<F: Float, N: Size>(
     smem: &SharedMemory<Vector<F, N>>,
-    elem_off: usize,
+    base: usize,
+    #[comptime] offset: usize,
     #[comptime] nv: usize,
     #[comptime] trans: bool,
 ) -> Array<Vector<F, Const<2>>> {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let start = elem_off / nv;
+    let start = base / nv + comptime!(offset / nv);
     let len = comptime!(8 / nv);
     def.load_matrix::<Vector<F, N>, Const<2>>(
         &smem.slice(start, start + len),
@@ -573,6 +579,8 @@ fn mma_abt_strip<F: Float, N: Size>(
     // (n 8-15, k 8-15) = b0, b1 of n-tile 2j, then b0, b1 of n-tile 2j + 1.
     let b_row = lane % 8 + (lane / 16) * 8;
     let b_col = ((lane / 8) % 2) * 8;
+    let a_base = (a_row0 + a_row) * ldt + a_col;
+    let b_base = (b_row0 + b_row) * ldt + b_col;
     #[unroll]
     for kk in 0..k_steps {
         let mut a_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
@@ -580,19 +588,15 @@ fn mma_abt_strip<F: Float, N: Size>(
         for mt in 0..m_tiles {
             a_frags.push(ldsm_x4::<F, N>(
                 a,
-                (a_row0 + 16 * mt + a_row) * ldt + 16 * kk + a_col,
+                a_base,
+                comptime!(16 * mt * ldt + 16 * kk),
                 nv,
                 false,
             ));
         }
         #[unroll]
         for np in 0..comptime!(n_tiles / 2) {
-            let b4 = ldsm_x4::<F, N>(
-                b,
-                (b_row0 + 16 * np + b_row) * ldt + 16 * kk + b_col,
-                nv,
-                false,
-            );
+            let b4 = ldsm_x4::<F, N>(b, b_base, comptime!(16 * np * ldt + 16 * kk), nv, false);
             let b_lo = frag_pair::<F>(&b4, 0usize);
             let b_hi = frag_pair::<F>(&b4, 2usize);
             #[unroll]
@@ -630,6 +634,7 @@ fn mma_pv_strip<F: Float, N: Size>(
     // d-tile 2j, then b0, b1 of d-tile 2j + 1.
     let v_row = lane % 16;
     let v_col = (lane / 16) * 8;
+    let v_base = (v_row0 + v_row) * ldt + v_col;
     #[unroll]
     for kk in 0..comptime!(n_tiles / 2) {
         // A fragment of keys 16 kk .. 16 kk + 16 = accumulators of key n-tiles 2kk, 2kk + 1:
@@ -650,12 +655,7 @@ fn mma_pv_strip<F: Float, N: Size>(
         }
         #[unroll]
         for dp in 0..comptime!(d_tiles / 2) {
-            let b4 = ldsm_x4::<F, N>(
-                v,
-                (v_row0 + 16 * kk + v_row) * ldt + 16 * dp + v_col,
-                nv,
-                true,
-            );
+            let b4 = ldsm_x4::<F, N>(v, v_base, comptime!(16 * kk * ldt + 16 * dp), nv, true);
             let b_lo = frag_pair::<F>(&b4, 0usize);
             let b_hi = frag_pair::<F>(&b4, 2usize);
             #[unroll]
@@ -691,14 +691,15 @@ fn store_acc_pairs<F: Float>(
         if hh == 1 {
             r = r_hi;
         }
-        let base = (row0 + r) * ld + c_lo;
+        // In pairs: `c_lo` and `ld` are even (see `ldsm_x4` for why the constant is split off).
+        let base = ((row0 + r) * ld + c_lo) / 2;
         #[unroll]
         for nt in 0..n_tiles {
             let idx = comptime!((nt * 2 + hh) * 2);
             let mut pair = Vector::<F, Const<2>>::empty();
             pair[0] = F::cast_from(vals[idx]);
             pair[1] = F::cast_from(vals[comptime!(idx + 1)]);
-            dst[(base + 8 * nt) / 2] = pair;
+            dst[base + comptime!(4 * nt)] = pair;
         }
     }
 }
@@ -736,17 +737,14 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
     // 8 (l / 16).
     let b_row = lane % 16;
     let b_col = (lane / 16) * 8;
+    let x_base = x_row * ldx + m0 + x_col;
+    let b_base = b_row * ldb + b_col0 + b_col;
     #[unroll]
     for kk in 0..k_steps {
-        let af = ldsm_x4::<F, NX>(x, (16 * kk + x_row) * ldx + m0 + x_col, nvx, true);
+        let af = ldsm_x4::<F, NX>(x, x_base, comptime!(16 * kk * ldx), nvx, true);
         #[unroll]
         for np in 0..comptime!(n_tiles / 2) {
-            let b4 = ldsm_x4::<F, N>(
-                b,
-                (16 * kk + b_row) * ldb + b_col0 + 16 * np + b_col,
-                nvb,
-                true,
-            );
+            let b4 = ldsm_x4::<F, N>(b, b_base, comptime!(16 * kk * ldb + 16 * np), nvb, true);
             let b_lo = frag_pair::<F>(&b4, 0usize);
             let b_hi = frag_pair::<F>(&b4, 2usize);
             def.execute_inplace(&af, &b_lo, acc.index_mut(comptime!(2 * np)));
