@@ -58,7 +58,7 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use smp_burn::cuda::flash::{
     FlashLayout, FlashVariant, MmaBwdTiling, MmaTiling, cmma_supported, flash_backward_with,
     flash_forward_with, flash_layout, mma_bwd_tiling, mma_fragment_probe, mma_supported,
-    mma_tiling, set_flash_layout, set_mma_bwd_tiling, set_mma_tiling,
+    mma_tiling, pair_atomics_supported, set_flash_layout, set_mma_bwd_tiling, set_mma_tiling,
 };
 
 type G = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -287,11 +287,20 @@ fn errors(a: &[f32], b: &[f32]) -> (f32, f32) {
     (diff, diff / scale.max(f32::MIN_POSITIVE))
 }
 
+/// Whether the device adds f32 pairs atomically (set once in `main`): the default backward
+/// tiling depends on it.
+static PAIR_ATOMICS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 /// The label of a variant in the output: `plain`, `cmma`, or `mma[WxM,BWD]` with the Mma
 /// forward and backward tilings currently set (the forward's default depends on the head dim).
 fn variant_name(v: FlashVariant, head_dim: usize) -> String {
+    let pair_atomics = *PAIR_ATOMICS.get().unwrap_or(&false);
     let name = match v {
-        FlashVariant::Mma => format!("mma[{},{}]", mma_tiling(head_dim), mma_bwd_tiling()),
+        FlashVariant::Mma => format!(
+            "mma[{},{}]",
+            mma_tiling(head_dim),
+            mma_bwd_tiling(head_dim, pair_atomics)
+        ),
         other => other.name().to_string(),
     };
     format!("{name}/{}", flash_layout().name())
@@ -601,6 +610,7 @@ fn main() {
     let _ = smp_burn::cuda::configure_kernel_cache();
     let dev = CudaDevice::new(0);
     let client = CudaRuntime::client(&dev);
+    let _ = PAIR_ATOMICS.set(pair_atomics_supported(&client));
     let has_cmma = cmma_supported(&client, DType::BF16);
     let has_mma = mma_supported(&client, DType::BF16);
     println!(

@@ -409,6 +409,15 @@ fn run(cli: Cli) -> Result<(), DynError> {
             ),
             Err(file) => tracing::info!("CubeCL configuration from {}", file.display()),
         }
+        // A Hugging Face checkpoint's head dim is known only once it is read; presets now.
+        if config.init_from_hf.is_none()
+            && let Ok(model) = llama::LlamaConfig::preset(&config.model)
+        {
+            tracing::info!(
+                "{}",
+                smp_burn::cuda::attention_backward_summary(model.head_dim())
+            );
+        }
     }
     // Check the layout against the world size before minutes of tokenizing.
     let world = if launched {

@@ -63,8 +63,9 @@ use std::sync::Mutex;
 #[path = "flash_mma.rs"]
 pub mod flash_mma;
 pub use flash_mma::{
-    MmaBwdPipe, MmaBwdTiling, MmaDq, MmaTiling, mma_async_supported, mma_bwd_tiling,
-    mma_fragment_probe, mma_supported, mma_tiling, set_mma_bwd_tiling, set_mma_tiling,
+    MmaBwdPipe, MmaBwdTiling, MmaDq, MmaTiling, deterministic, mma_async_supported, mma_bwd_tiling,
+    mma_fragment_probe, mma_supported, mma_tiling, pair_atomics_supported, set_mma_bwd_tiling,
+    set_mma_tiling,
 };
 
 /// Rows and keys per block in the plain kernels (one thread per (row, quarter of the columns)).
@@ -2166,7 +2167,9 @@ pub fn flash_backward_with<R: CubeRuntime>(
         total_rows <= u32::MAX as usize,
         "flash attention backward: too many rows ({total_rows})"
     );
-    if variant == FlashVariant::Mma && mma_bwd_tiling().wide_delta {
+    if variant == FlashVariant::Mma
+        && mma_bwd_tiling(head_dim, pair_atomics_supported(&client)).wide_delta
+    {
         flash_mma::launch_delta_wide(o, &d_o, &delta, q_shape);
     } else {
         // SAFETY: the kernel guards `pos < total_rows`; indices follow the checked shapes.

@@ -338,9 +338,32 @@ impl MmaBwdTiling {
     /// `cp.async`, the warp-cooperative delta: the fastest measured on an H200 (hd 128, causal,
     /// `flash_check`, session 4 call T): 189 TFLOP/s at S=4096 and 203 at 16384, where the
     /// synchronously staged 8x32-split (the previous default) gives 134 / 151, its register
-    /// prefetch `-pf` 148 at 4096 and 8x64-split-cp-vd 185 / 209. Deterministic (no atomics).
+    /// prefetch `-pf` 148 at 4096 and 8x64-split-cp-vd 185 / 209. Deterministic (no atomics),
+    /// so also the choice wherever determinism is asked for (`SMP_BURN_DETERMINISTIC=1`) or
+    /// f32-pair atomics are missing. Session 11 call DV, head dim 64: 187 / 200 TFLOP/s at S
+    /// 4096 / 16384, where the atomic tilings give 149-175 / 169-202.
     pub const DEFAULT: MmaBwdTiling =
         MmaBwdTiling::new(4, 64, MmaDq::Split).with(MmaBwdPipe::Async, true);
+
+    /// The default at head dim 128 and above (Llama 2 7B's) where the device adds f32 pairs
+    /// atomically (sm_90): 8 warps (128 keys per cube), 64-query blocks, dQ fused by atomics
+    /// (5 products per block pair instead of 7), `cp.async`, the warp-cooperative delta.
+    /// Session 11 call DV: 203 / 241 TFLOP/s at S 4096 / 16384 (B 8 at 4096: 217) where
+    /// [`MmaBwdTiling::DEFAULT`] gives 196 / 211 (198); 7B steps 1.4 % faster. Not bitwise
+    /// reproducible (the order of dQ's f32 additions varies), as PyTorch's flash backward.
+    pub const DEFAULT_HD128: MmaBwdTiling =
+        MmaBwdTiling::new(8, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true);
+
+    /// The default for `head_dim` on a device that does (`pair_atomics`) or does not add f32
+    /// pairs atomically: [`MmaBwdTiling::DEFAULT_HD128`] at 128 and above with pair atomics
+    /// unless `SMP_BURN_DETERMINISTIC=1`, else [`MmaBwdTiling::DEFAULT`].
+    pub fn default_for(head_dim: usize, pair_atomics: bool) -> MmaBwdTiling {
+        if head_dim >= 128 && pair_atomics && !deterministic() {
+            Self::DEFAULT_HD128
+        } else {
+            Self::DEFAULT
+        }
+    }
 
     /// Every supported backward tiling, for checks and benchmarks: the eight original ones,
     /// then the staging/delta variants (the riskier `cp.async` ones last, so that a failure
@@ -436,13 +459,23 @@ impl std::fmt::Display for MmaBwdTiling {
 /// Process-wide override of the backward tiling; `None` means "from the environment".
 static BWD_TILING_OVERRIDE: Mutex<Option<MmaBwdTiling>> = Mutex::new(None);
 
-/// The tiling the Mma backward launches with: the last [`set_mma_bwd_tiling`], else
+/// Whether the user asked for bitwise reproducible kernels (`SMP_BURN_DETERMINISTIC=1`, read
+/// once): then the attention backward keeps its deterministic split dQ at every head dim. Every
+/// other kernel of the project is deterministic anyway.
+pub fn deterministic() -> bool {
+    static DETERMINISTIC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DETERMINISTIC
+        .get_or_init(|| std::env::var("SMP_BURN_DETERMINISTIC").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// The tiling the Mma backward launches with at `head_dim` on a device with or without f32-pair
+/// atomics ([`pair_atomics_supported`]): the last [`set_mma_bwd_tiling`], else
 /// `SMP_BURN_FLASH_MMA_BWD_TILING` (e.g. `8x64-atomic`, `4x32-split`; see
-/// [`MmaBwdTiling::ALL`]), else [`MmaBwdTiling::DEFAULT`].
+/// [`MmaBwdTiling::ALL`]), else [`MmaBwdTiling::default_for`].
 ///
 /// # Panics
 /// If the environment variable is set to something else (as [`mma_tiling`]).
-pub fn mma_bwd_tiling() -> MmaBwdTiling {
+pub fn mma_bwd_tiling(head_dim: usize, pair_atomics: bool) -> MmaBwdTiling {
     if let Some(t) = *BWD_TILING_OVERRIDE
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -456,7 +489,7 @@ pub fn mma_bwd_tiling() -> MmaBwdTiling {
                  e.g. 8x64-atomic, or one of the -pf/-cp/-vd tilings of MmaBwdTiling::ALL"
             )
         }),
-        Err(_) => MmaBwdTiling::DEFAULT,
+        Err(_) => MmaBwdTiling::default_for(head_dim, pair_atomics),
     }
 }
 
@@ -2975,7 +3008,7 @@ pub fn mma_async_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
 
 /// Whether the device adds pairs of f32 atomically in global memory (CUDA sm_90 and later), as
 /// the [`MmaDq::Atomic`] tilings do.
-fn pair_atomics_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+pub fn pair_atomics_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
     let pair = cubecl::ir::Type::new(cubecl::ir::StorageType::Atomic(ElemType::Float(
         FloatKind::F32,
     )))
@@ -3027,7 +3060,7 @@ pub(super) fn launch_backward<R: CubeRuntime>(
 ) {
     let [batch, heads_q, seq, head_dim] = shape;
     let group = heads_q / heads_kv;
-    let tiling = mma_bwd_tiling();
+    let tiling = mma_bwd_tiling(head_dim, pair_atomics_supported(&q.client));
     let client = q.client.clone();
     let device = q.device.clone();
     let dtype = q.dtype;

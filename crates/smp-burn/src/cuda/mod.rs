@@ -89,6 +89,24 @@ pub fn cuda_device_count() -> usize {
     CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
 }
 
+/// The attention backward the Mma flash path runs at `head_dim` on CUDA device 0, for the
+/// trainer's log: the tiling, and whether its dQ is bitwise reproducible. Why: the default at
+/// head dim 128 sums dQ with atomics (faster, run-to-run rounding differences, as PyTorch's
+/// flash backward), and a user comparing two runs' losses should see that up front.
+pub fn attention_backward_summary(head_dim: usize) -> String {
+    use cubecl::Runtime;
+    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
+    let tiling = flash::mma_bwd_tiling(head_dim, flash::pair_atomics_supported(&client));
+    let reproducible = match tiling.dq {
+        flash::MmaDq::Atomic => {
+            "dQ summed with atomics, not bitwise reproducible; \
+                                 SMP_BURN_DETERMINISTIC=1 for the deterministic kernels"
+        }
+        flash::MmaDq::Split => "deterministic",
+    };
+    format!("attention backward (head dim {head_dim}): {tiling}, {reproducible}")
+}
+
 /// Total memory of CUDA device `index` in bytes, or `None` without a driver or device.
 pub fn cuda_device_memory(index: usize) -> Option<u64> {
     if cuda_device_count() <= index {
