@@ -459,13 +459,31 @@ impl std::fmt::Display for MmaBwdTiling {
 /// Process-wide override of the backward tiling; `None` means "from the environment".
 static BWD_TILING_OVERRIDE: Mutex<Option<MmaBwdTiling>> = Mutex::new(None);
 
-/// Whether the user asked for bitwise reproducible kernels (`SMP_BURN_DETERMINISTIC=1`, read
-/// once): then the attention backward keeps its deterministic split dQ at every head dim. Every
-/// other kernel of the project is deterministic anyway.
+/// Whether the user asked for bitwise reproducible kernels (`SMP_BURN_DETERMINISTIC=1` or
+/// `true`, read once): then the attention backward keeps its deterministic split dQ at every
+/// head dim. Every other kernel of the project is deterministic anyway.
+///
+/// # Panics
+/// If the variable holds anything but `1`, `0`, `true`, `false` or nothing: a misspelt value
+/// must not leave a run silently non-reproducible.
 pub fn deterministic() -> bool {
     static DETERMINISTIC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DETERMINISTIC
-        .get_or_init(|| std::env::var("SMP_BURN_DETERMINISTIC").is_ok_and(|v| v.trim() == "1"))
+    *DETERMINISTIC.get_or_init(|| {
+        let value = std::env::var("SMP_BURN_DETERMINISTIC").unwrap_or_default();
+        parse_switch(&value).unwrap_or_else(|| {
+            panic!("SMP_BURN_DETERMINISTIC={value:?}: expected 1 / true or 0 / false")
+        })
+    })
+}
+
+/// An on/off environment value: `1` / `true` on, `0` / `false` / empty off (any case,
+/// surrounding blanks ignored); `None` for anything else.
+fn parse_switch(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" => Some(true),
+        "" | "0" | "false" => Some(false),
+        _ => None,
+    }
 }
 
 /// The tiling the Mma backward launches with at `head_dim` on a device with or without f32-pair
@@ -3459,5 +3477,33 @@ mod tests {
         // 32-key blocks exist only with the cp.async pipeline.
         assert_eq!(MmaTiling::parse("4x2-k32"), None);
         assert_eq!(MmaTiling::parse("4x2-cp-k16"), None);
+    }
+
+    /// The backward's default follows the head dim and the device (call DV), and the
+    /// determinism switch reads only clear values.
+    #[test]
+    fn backward_default_by_head_dim_and_device() {
+        if std::env::var_os("SMP_BURN_DETERMINISTIC").is_some() {
+            return;
+        }
+        assert_eq!(
+            MmaBwdTiling::default_for(128, true),
+            MmaBwdTiling::DEFAULT_HD128
+        );
+        assert_eq!(MmaBwdTiling::DEFAULT_HD128.dq, MmaDq::Atomic);
+        assert_eq!(MmaBwdTiling::default_for(128, false), MmaBwdTiling::DEFAULT);
+        assert_eq!(MmaBwdTiling::default_for(64, true), MmaBwdTiling::DEFAULT);
+        assert_eq!(MmaBwdTiling::DEFAULT.dq, MmaDq::Split);
+        for (value, parsed) in [
+            ("1", Some(true)),
+            (" TRUE ", Some(true)),
+            ("0", Some(false)),
+            ("", Some(false)),
+            ("false", Some(false)),
+            ("yes", None),
+            ("2", None),
+        ] {
+            assert_eq!(parse_switch(value), parsed, "{value:?}");
+        }
     }
 }
