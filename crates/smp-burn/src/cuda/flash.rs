@@ -64,8 +64,8 @@ use std::sync::Mutex;
 pub mod flash_mma;
 pub use flash_mma::{
     MmaBwdPipe, MmaBwdTiling, MmaDq, MmaTiling, deterministic, mma_async_supported, mma_bwd_tiling,
-    mma_fragment_probe, mma_supported, mma_tiling, pair_atomics_supported, set_mma_bwd_tiling,
-    set_mma_tiling,
+    mma_fragment_probe, mma_supported, mma_tiling, pair_atomics_supported, set_deterministic,
+    set_mma_bwd_tiling, set_mma_tiling,
 };
 
 /// Rows and keys per block in the plain kernels (one thread per (row, quarter of the columns)).

@@ -459,14 +459,32 @@ impl std::fmt::Display for MmaBwdTiling {
 /// Process-wide override of the backward tiling; `None` means "from the environment".
 static BWD_TILING_OVERRIDE: Mutex<Option<MmaBwdTiling>> = Mutex::new(None);
 
-/// Whether the user asked for bitwise reproducible kernels (`SMP_BURN_DETERMINISTIC=1` or
-/// `true`, read once): then the attention backward keeps its deterministic split dQ at every
+/// Process-wide override of [`deterministic`]; `None` means "from the environment".
+static DETERMINISTIC_OVERRIDE: Mutex<Option<bool>> = Mutex::new(None);
+
+/// Asks for bitwise reproducible kernels (`Some(true)`), allows the faster non-deterministic
+/// ones (`Some(false)`), or defers to `SMP_BURN_DETERMINISTIC` (`None`), for this process; the
+/// trainer's `--deterministic` sets it before the first step.
+pub fn set_deterministic(on: Option<bool>) {
+    *DETERMINISTIC_OVERRIDE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = on;
+}
+
+/// Whether the user asked for bitwise reproducible kernels ([`set_deterministic`], else
+/// `SMP_BURN_DETERMINISTIC=1` or `true`, read once): then the attention backward keeps its deterministic split dQ at every
 /// head dim. Every other kernel of the project is deterministic anyway.
 ///
 /// # Panics
 /// If the variable holds anything but `1`, `0`, `true`, `false` or nothing: a misspelt value
 /// must not leave a run silently non-reproducible.
 pub fn deterministic() -> bool {
+    if let Some(on) = *DETERMINISTIC_OVERRIDE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+    {
+        return on;
+    }
     static DETERMINISTIC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *DETERMINISTIC.get_or_init(|| {
         let value = std::env::var("SMP_BURN_DETERMINISTIC").unwrap_or_default();
