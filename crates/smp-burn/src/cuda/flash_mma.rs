@@ -78,9 +78,9 @@
 //!   `inner + 8`), and after a barrier the cube computes the block's `dQ += dS K` (`inner x d`)
 //!   as one tile per warp (`mma_atb_acc`: the stored `dS^T` read with transposed `ldmatrix`
 //!   is the A operand `dS`, K the B operand as V is in the forward) and adds it to an f32
-//!   `[B, Hq, S, D]` buffer with `atomicAdd` of f32 pairs (sm_90); an element-wise kernel then writes `dq = acc *
-//!   scale` in the input dtype. 5 products per block pair; dQ's f32 summation order varies
-//!   between runs.
+//!   `[B, Hq, S, D]` buffer with `atomicAdd` of f32 pairs (sm_90); an element-wise kernel
+//!   then writes `dq = acc * scale` in the input dtype. 5 products per block pair; dQ's f32
+//!   summation order varies between runs.
 //! - dQ, [`MmaDq::Split`]: a separate kernel shaped like the forward (a cube per query block
 //!   of `16 * warps` rows, K/V blocks of [`MMA_KEYS`] keys prefetched into registers): `S` and
 //!   `dP = dO V^T` by `mma_abt_strip`, `dS = P (dP - delta)` in registers, `dQ += dS K` by
@@ -275,8 +275,7 @@ pub enum MmaDq {
     /// products per (key block, query block) pair instead of 7; dQ is not bitwise
     /// reproducible (the order of the f32 additions varies between runs). Each lane adds its
     /// f32 column pairs with one 8-byte atomic, so it needs sm_90 or later (call DS: +13-18 %
-    /// over two scalar atomics; 8x64-atomic-cp-vd then beats the split default by 2 % at S
-    /// 16384 and trails it by 5 % at 4096).
+    /// over two scalar atomics). The default at head dim 128 ([`MmaBwdTiling::DEFAULT_HD128`]).
     Atomic,
     /// A separate kernel per query block that recomputes `S` and `dP` (the Cmma backward's
     /// decomposition): 7 products, no atomics, deterministic.
@@ -472,8 +471,9 @@ pub fn set_deterministic(on: Option<bool>) {
 }
 
 /// Whether the user asked for bitwise reproducible kernels ([`set_deterministic`], else
-/// `SMP_BURN_DETERMINISTIC=1` or `true`, read once): then the attention backward keeps its deterministic split dQ at every
-/// head dim. Every other kernel of the project is deterministic anyway.
+/// `SMP_BURN_DETERMINISTIC=1` or `true`, read once): then the attention backward keeps its
+/// deterministic split dQ at every head dim. Every other kernel of the project is
+/// deterministic anyway.
 ///
 /// # Panics
 /// If the variable holds anything but `1`, `0`, `true`, `false` or nothing: a misspelt value
