@@ -94,17 +94,36 @@ pub fn cuda_device_count() -> usize {
 /// head dim 128 sums dQ with atomics (faster, run-to-run rounding differences, as PyTorch's
 /// flash backward), and a user comparing two runs' losses should see that up front.
 pub fn attention_backward_summary(head_dim: usize) -> String {
-    use cubecl::Runtime;
-    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
-    let tiling = flash::mma_bwd_tiling(head_dim, flash::pair_atomics_supported(&client));
+    // The driver's compute capability, not a CubeCL client: a client would open a context on
+    // GPU 0 in every process of a multi-process launch. CubeCL reports f32-pair atomics
+    // (`flash::pair_atomics_supported`) from sm_90 on.
+    let pair_atomics = cuda_compute_capability(0).is_some_and(|(major, _)| major >= 9);
+    let tiling = flash::mma_bwd_tiling(head_dim, pair_atomics);
     let reproducible = match tiling.dq {
         flash::MmaDq::Atomic => {
-            "dQ summed with atomics, not bitwise reproducible; \
-                                 SMP_BURN_DETERMINISTIC=1 for the deterministic kernels"
+            "dQ summed with atomics, not bitwise reproducible; SMP_BURN_DETERMINISTIC=1 for \
+             the deterministic kernels"
         }
         flash::MmaDq::Split => "deterministic",
     };
     format!("attention backward (head dim {head_dim}): {tiling}, {reproducible}")
+}
+
+/// Compute capability (major, minor) of CUDA device `index`, or `None` without a driver or
+/// device. Needs no context.
+pub fn cuda_compute_capability(index: usize) -> Option<(i32, i32)> {
+    if cuda_device_count() <= index {
+        return None;
+    }
+    let dev = cudarc::driver::result::device::get(index as i32).ok()?;
+    let attribute = |a| {
+        // SAFETY: `dev` is a valid device handle from the initialized driver.
+        unsafe { cudarc::driver::result::device::get_attribute(dev, a) }.ok()
+    };
+    Some((
+        attribute(ds::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attribute(ds::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
 }
 
 /// Total memory of CUDA device `index` in bytes, or `None` without a driver or device.
