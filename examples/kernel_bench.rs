@@ -18,6 +18,10 @@
 //! one process: our cuBLAS linear on Burn tensors (ordering included), Burn's stock matmul, and
 //! cuBLAS called directly on raw buffers (the goal: ours at least 95 % of direct).
 //! Run `python3 scripts/torch_gemm.py` in the same call for PyTorch's figure at the same shapes.
+//! `kernel_bench gemm-fb`: where the time of `gemm`'s forward + backward column goes, at the 1B
+//! MLP shape: host time to build the forward (and the `sum`), host time inside `backward()`, and
+//! the wait for the device after it, with and without the `sum` (a backward from a tensor seeds
+//! its gradient with ones).
 
 use std::time::Instant;
 
@@ -789,9 +793,11 @@ fn gemm() {
         });
         let xa = Tensor::<Ad, 2>::from_inner(x.clone()).require_grad();
         let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
+        // Seeded with ones, not through `sum()`: Burn's full reduction of a bf16 tensor this
+        // size takes ~0.9 ms on an H200 (3 cubes; `gemm-fb`, call DY), four times the GEMMs.
         let ours_fb = time(10, || {
             let y = ops::linear(xa.clone(), wa.clone());
-            let _ = y.sum().backward();
+            let _ = y.backward();
         });
         set_fast_paths(FastPaths::NONE);
         let wt = w.clone().transpose();
@@ -860,6 +866,59 @@ fn gemm() {
     println!("(TFLOP/s; bf16 inputs, f32 accumulation, bf16 output; 'f+b' = forward + dx + dw)");
 }
 
+/// `gemm`'s forward + backward at one shape, split into host phases (see the module doc).
+fn gemm_fb() {
+    let dev = device();
+    let (m, k, n) = (4096usize, 2048usize, 5632usize);
+    let flop = 6.0 * (m * n * k) as f64;
+    let x = Tensor::<B, 2>::random([m, k], Distribution::Default, &dev).cast(DType::BF16);
+    let w = Tensor::<B, 2>::random([n, k], Distribution::Default, &dev).cast(DType::BF16);
+    let xa = Tensor::<Ad, 2>::from_inner(x).require_grad();
+    let wa = Tensor::<Ad, 2>::from_inner(w).require_grad();
+    set_fast_paths(FastPaths::ALL);
+    for with_sum in [true, false] {
+        let iters = 10;
+        let (mut build, mut backward, mut wait) = (0.0, 0.0, 0.0);
+        for i in 0..iters + 3 {
+            B::sync(&dev).unwrap();
+            let t0 = Instant::now();
+            let y = ops::linear(xa.clone(), wa.clone());
+            let (grads, t1, t2) = if with_sum {
+                let s = y.sum();
+                let t1 = Instant::now();
+                let g = s.backward();
+                (g, t1, Instant::now())
+            } else {
+                let t1 = Instant::now();
+                let g = y.backward();
+                (g, t1, Instant::now())
+            };
+            B::sync(&dev).unwrap();
+            let t3 = Instant::now();
+            drop(grads);
+            if i >= 3 {
+                build += (t1 - t0).as_secs_f64();
+                backward += (t2 - t1).as_secs_f64();
+                wait += (t3 - t2).as_secs_f64();
+            }
+        }
+        let per = |s: f64| s / iters as f64 * 1e3;
+        println!(
+            "gemm-fb {m} x {k} -> {n}, {}: forward built {:.3} ms, backward() {:.3} ms, \
+             device wait {:.3} ms; {:.1} TFLOP/s",
+            if with_sum {
+                "y.sum().backward()"
+            } else {
+                "y.backward()"
+            },
+            per(build),
+            per(backward),
+            per(wait),
+            flop / ((build + backward + wait) / iters as f64) / 1e12,
+        );
+    }
+}
+
 fn main() {
     let _ = smp_burn::cuda::configure_kernel_cache();
     let what: Vec<String> = std::env::args().skip(1).collect();
@@ -892,9 +951,10 @@ fn main() {
             "attention" => ok &= check_attention(),
             "offload" => ok &= offload(),
             "gemm" => gemm(),
+            "gemm-fb" => gemm_fb(),
             other => {
                 eprintln!(
-                    "unknown part {other:?}: use check, attention, xent, embed, adamw, offload and/or gemm"
+                    "unknown part {other:?}: use check, attention, xent, embed, adamw, offload, gemm and/or gemm-fb"
                 );
                 std::process::exit(2);
             }

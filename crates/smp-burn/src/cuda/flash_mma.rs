@@ -348,7 +348,8 @@ impl MmaBwdTiling {
     /// atomically (sm_90): 8 warps (128 keys per cube), 64-query blocks, dQ fused by atomics
     /// (5 products per block pair instead of 7), `cp.async`, the warp-cooperative delta.
     /// Session 11 call DV: 203 / 241 TFLOP/s at S 4096 / 16384 (B 8 at 4096: 217) where
-    /// [`MmaBwdTiling::DEFAULT`] gives 196 / 211 (198); 7B steps 1.4 % faster. Not bitwise
+    /// [`MmaBwdTiling::DEFAULT`] gives 196 / 211 (198); 7B steps 1.4 % faster. With the dQ
+    /// deferred by one block (session 12 call DY): 208-211 / 248 (B 8: 223). Not bitwise
     /// reproducible (the order of dQ's f32 additions varies), as PyTorch's flash backward.
     pub const DEFAULT_HD128: MmaBwdTiling =
         MmaBwdTiling::new(8, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true);
@@ -491,6 +492,24 @@ pub fn deterministic() -> bool {
         parse_switch(&value).unwrap_or_else(|| {
             panic!("SMP_BURN_DETERMINISTIC={value:?}: expected 1 / true or 0 / false")
         })
+    })
+}
+
+/// Whether the `cp.async` dK/dV kernel with fused dQ defers each block's `dQ = dS K` to the
+/// next block: the `dS^T` tile is double-buffered and read after the next block's barrier, so
+/// one cube barrier per block remains instead of two (all 8 warps of the only cube on an SM
+/// wait at each). On unless `SMP_BURN_FLASH_DEFER_DQ=0` (read once; for measuring the
+/// difference).
+///
+/// # Panics
+/// If the variable holds anything but `1`, `0`, `true`, `false` or nothing.
+fn defer_fused_dq() -> bool {
+    static DEFER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DEFER.get_or_init(|| match std::env::var("SMP_BURN_FLASH_DEFER_DQ") {
+        Err(_) => true,
+        Ok(value) => parse_switch(&value).unwrap_or_else(|| {
+            panic!("SMP_BURN_FLASH_DEFER_DQ={value:?}: expected 1 / true or 0 / false")
+        }),
     })
 }
 
@@ -2213,19 +2232,60 @@ fn fused_dq_block<F: Float, N: Size>(
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
 ) {
+    store_acc_pairs::<F>(
+        ds,
+        dss,
+        wrow,
+        r_lo,
+        r_hi,
+        c_lo,
+        comptime!(bq / 8),
+        comptime!(bq + 8),
+    );
+    sync_cube();
+    fused_dq_apply::<F, N>(
+        dss, 0usize, ks, dq_acc, b, h, q0, seq, warp, lane, r_lo, r_hi, c_lo, warps, bq, d, ldt, nv,
+    );
+}
+
+/// The second half of [`fused_dq_block`]: each warp forms its `16 x d / wpm` tile of `dQ = dS
+/// K` from the `dS^T` tile whose first key row is row `dss_row0` of `dss` (0, or `bk` for the
+/// second half of a double buffer), all of whose rows the caller has made visible with a cube
+/// barrier, and adds it to `dq_acc` with f32-pair atomics.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fused_dq_apply<F: Float, N: Size>(
+    dss: &SharedMemory<Vector<F, Const<2>>>,
+    dss_row0: usize,
+    ks: &SharedMemory<Vector<F, N>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
+    b: usize,
+    h: usize,
+    q0: usize,
+    seq: usize,
+    warp: usize,
+    lane: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    #[comptime] warps: usize,
+    #[comptime] bq: usize,
+    #[comptime] d: usize,
+    #[comptime] ldt: usize,
+    #[comptime] nv: usize,
+) {
     // Pitch of the dS^T tile (elements): 8 mod 16, so stores and ldmatrix rows hit distinct
     // banks.
     let ldd = comptime!(bq + 8);
     let wpm = comptime!(warps / (bq / 16));
     let cw = comptime!(d / wpm);
-    store_acc_pairs::<F>(ds, dss, wrow, r_lo, r_hi, c_lo, comptime!(bq / 8), ldd);
-    sync_cube();
     let mq = warp / wpm;
     let c0 = (warp % wpm) * cw;
     let mut dq_frags = zero_frags(comptime!(cw / 8));
+    // The half's row offset folds into the column offset: the tile is addressed row * ldd + col.
     mma_atb_acc::<F, Const<2>, N>(
         dss,
-        16 * mq,
+        dss_row0 * ldd + 16 * mq,
         ks,
         c0,
         &mut dq_frags,
@@ -2263,9 +2323,14 @@ fn fused_dq_block<F: Float, N: Size>(
 /// GQA group's heads, flattened into one loop) go through two halves of the Q, dO, lse and
 /// delta tiles: after the barrier that makes block `i` visible (and that every warp reaches
 /// only once done with block `i - 1`), the copies of block `i + 1` into the other half are
-/// issued, then block `i` is computed. One cube barrier per block, no staging registers.
+/// issued, then block `i` is computed. One cube barrier per block, no staging registers. With
+/// `defer_dq` ([`defer_fused_dq`]) the fused dQ keeps that: block `i`'s `dS^T` goes to one of
+/// two tiles and its `dQ = dS K` runs after block `i + 1`'s barrier (the last one after a final
+/// barrier); without it, [`fused_dq_block`] adds a second barrier per block. Session 12 call
+/// DY: deferring is 2-3 % faster at hd 128 (S 16k 243 -> 248 TFLOP/s, B8 S 4k 217 -> 223).
 #[cube(launch_unchecked, fast_math = FastMath::all())]
-#[allow(clippy::too_many_arguments)]
+// `if comptime!(..) { if runtime {..} }` stays nested (see `flash_bwd_dkdv_mma`).
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
@@ -2284,6 +2349,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     #[comptime] warps: usize,
     #[comptime] bq: usize,
     #[comptime] fused: bool,
+    #[comptime] defer_dq: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let bk = comptime!(16 * warps);
@@ -2318,9 +2384,15 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     let mut dos = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * bq * ldt / nv), 128usize);
     let mut lse_s = SharedMemory::<f32>::new(comptime!(2 * bq));
     let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
-    // The fused dQ's dS^T tile (`fused_dq_block`): pitch `bq + 8`, in element pairs.
+    // The fused dQ's dS^T tile (`fused_dq_block`): pitch `bq + 8`, in element pairs; two of
+    // them with `defer_dq`.
+    let dss_tiles = comptime!(if defer_dq { 2 } else { 1 });
     let mut dss = SharedMemory::<Vector<F, Const<2>>>::new_aligned(
-        comptime!(if fused { bk * (bq + 8) / 2 } else { 4 }),
+        comptime!(if fused {
+            dss_tiles * bk * (bq + 8) / 2
+        } else {
+            4
+        }),
         128usize,
     );
 
@@ -2388,6 +2460,9 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
         nv,
         nthreads,
     );
+    // The block whose dQ is still owed (`defer_dq`): its first query and its head.
+    let mut owed_q0 = 0usize;
+    let mut owed_h = 0usize;
     for it in 0..n_it {
         let q0 = (qb_start + it % n_blk) * bq;
         let qrow0 = (it % 2) * bq;
@@ -2415,6 +2490,31 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 nv,
                 nthreads,
             );
+        }
+        if comptime!(fused && defer_dq) {
+            // The previous block's dS^T, stored by every warp before this block's barrier.
+            if it > 0 {
+                fused_dq_apply::<F, N>(
+                    &dss,
+                    ((it + 1) % 2) * bk,
+                    &ks,
+                    dq_acc,
+                    b,
+                    owed_h,
+                    owed_q0,
+                    seq,
+                    warp,
+                    lane,
+                    r_lo,
+                    r_hi,
+                    c_lo,
+                    warps,
+                    bq,
+                    d,
+                    ldt,
+                    nv,
+                );
+            }
         }
         // No key of the cube follows the block's first query: no causal mask (see the forward).
         if k0 + bk <= q0 + 1 {
@@ -2484,7 +2584,22 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 ds[i] = f32::new(0.0);
             }
         }
-        if comptime!(fused) {
+        if comptime!(fused && defer_dq) {
+            // Written to this block's half; read after the next barrier (above, or after the
+            // loop), rewritten two blocks later, after the barrier that follows those reads.
+            store_acc_pairs::<F>(
+                &ds,
+                &mut dss,
+                (it % 2) * bk + wrow,
+                r_lo,
+                r_hi,
+                c_lo,
+                comptime!(bq / 8),
+                comptime!(bq + 8),
+            );
+            owed_q0 = q0;
+            owed_h = h_first + it / n_blk;
+        } else if comptime!(fused) {
             // The next iteration's barrier orders these reads of `dss` before its rewrite.
             fused_dq_block::<F, N>(
                 &ds,
@@ -2497,6 +2612,31 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 seq,
                 warp,
                 wrow,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                warps,
+                bq,
+                d,
+                ldt,
+                nv,
+            );
+        }
+    }
+    if comptime!(fused && defer_dq) {
+        if n_it > 0 {
+            sync_cube();
+            fused_dq_apply::<F, N>(
+                &dss,
+                ((n_it + 1) % 2) * bk,
+                &ks,
+                dq_acc,
+                b,
+                owed_h,
+                owed_q0,
+                seq,
+                warp,
                 lane,
                 r_lo,
                 r_hi,
@@ -3168,6 +3308,7 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 tiling.warps,
                 tiling.inner,
                 fused,
+                fused && defer_fused_dq(),
                 dtype.into(),
             );
         }
