@@ -128,17 +128,33 @@ pub fn set_legacy_kernels(on: bool) {
 /// a barrier, so `scratch` may be reused right away.
 #[cube]
 pub(crate) fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
+    plane_total_to(value, scratch, 0usize);
+    sync_cube();
+    let total = planes_total(scratch, 0usize);
+    sync_cube();
+    total
+}
+
+/// The first half of every cube reduction here: this plane's sum of `value`, written by its
+/// first unit to `scratch[base + PLANE_POS]`. A barrier must follow before
+/// [`planes_total`] reads the slots.
+#[cube]
+fn plane_total_to(value: f32, scratch: &mut SharedMemory<f32>, base: usize) {
     let plane_total = plane_sum(value);
     if UNIT_POS_PLANE == 0 {
-        scratch[PLANE_POS as usize] = plane_total;
+        scratch[base + PLANE_POS as usize] = plane_total;
     }
-    sync_cube();
+}
+
+/// The second half: the planes' totals from `scratch[base..]`, added in plane order so that
+/// every reduction here gives the same bits for the same values.
+#[cube]
+fn planes_total(scratch: &SharedMemory<f32>, base: usize) -> f32 {
     let planes = (CUBE_DIM + PLANE_DIM - 1) / PLANE_DIM;
     let mut total = f32::new(0.0);
     for i in 0..planes as usize {
-        total += scratch[i];
+        total += scratch[base + i];
     }
-    sync_cube();
     total
 }
 
@@ -476,18 +492,10 @@ fn cube_sum_alternating(
     half: usize,
     #[comptime] threads: usize,
 ) -> f32 {
-    let plane_total = plane_sum(value);
     let base = half * threads;
-    if UNIT_POS_PLANE == 0 {
-        scratch[base + PLANE_POS as usize] = plane_total;
-    }
+    plane_total_to(value, scratch, base);
     sync_cube();
-    let planes = (CUBE_DIM + PLANE_DIM - 1) / PLANE_DIM;
-    let mut total = f32::new(0.0);
-    for i in 0..planes as usize {
-        total += scratch[base + i];
-    }
-    total
+    planes_total(scratch, base)
 }
 
 /// RMSNorm backward, version 2: the formulas of [`rms_norm_bwd_kernel`], with the row loop
@@ -884,20 +892,12 @@ fn cube_sums(
 ) {
     #[unroll]
     for j in 0..count {
-        let plane_total = plane_sum(values[j]);
-        if UNIT_POS_PLANE == 0 {
-            scratch[j * threads + PLANE_POS as usize] = plane_total;
-        }
+        plane_total_to(values[j], scratch, j * threads);
     }
     sync_cube();
-    let planes = (CUBE_DIM + PLANE_DIM - 1) / PLANE_DIM;
     #[unroll]
     for j in 0..count {
-        let mut total = f32::new(0.0);
-        for i in 0..planes as usize {
-            total += scratch[j * threads + i];
-        }
-        values[j] = total;
+        values[j] = planes_total(scratch, j * threads);
     }
 }
 
