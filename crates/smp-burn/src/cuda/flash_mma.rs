@@ -793,10 +793,12 @@ fn store_acc_pairs<F: Float>(
 }
 
 /// `acc += X^T B` for one warp, where `X` is stored `[k][m]` (pitch `ldx`, element pairs) and
-/// the product takes its columns `m0 .. m0 + 16` (so `X^T` is the 16-row A operand), `B` is a
-/// row-major `[k][n]` tile (pitch `ldb`) read from column `b_col0` on; `k` runs over
-/// `16 * k_steps` rows of both. Fragment `nt` of `acc` receives columns `b_col0 + 8 nt ..`.
-/// `n_tiles` must be even. This is how the dK/dV kernel forms `dQ = dS K` from its `dS^T`
+/// the product takes its columns `m0 .. m0 + 16 * m_tiles` (so `X^T` gives `m_tiles` 16-row A
+/// operands), `B` is a row-major `[k][n]` tile (pitch `ldb`) read from column `b_col0` on; `k`
+/// runs over `16 * k_steps` rows of both. Fragment `mt * n_tiles + nt` of `acc` receives rows
+/// `16 mt ..` and columns `b_col0 + 8 nt ..`. `n_tiles` must be even. Two m-tiles share each
+/// loaded B fragment, so a warp's shared-memory reads per product fall by a fifth at `n_tiles`
+/// 4 against one m-tile at 8. This is how the dK/dV kernel forms `dQ = dS K` from its `dS^T`
 /// (stored as it lies in the accumulators: keys by queries) without a transposing store.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -807,6 +809,7 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
     b_col0: usize,
     acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
     lane: usize,
+    #[comptime] m_tiles: usize,
     #[comptime] k_steps: usize,
     #[comptime] n_tiles: usize,
     #[comptime] ldx: usize,
@@ -829,14 +832,32 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
     let b_base = b_row * ldb + b_col0 + b_col;
     #[unroll]
     for kk in 0..k_steps {
-        let af = ldsm_x4::<F, NX>(x, x_base, comptime!(16 * kk * ldx), nvx, true);
+        let mut a_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        #[unroll]
+        for mt in 0..m_tiles {
+            a_frags.push(ldsm_x4::<F, NX>(
+                x,
+                x_base,
+                comptime!(16 * kk * ldx + 16 * mt),
+                nvx,
+                true,
+            ));
+        }
         #[unroll]
         for np in 0..comptime!(n_tiles / 2) {
             let b4 = ldsm_x4::<F, N>(b, b_base, comptime!(16 * kk * ldb + 16 * np), nvb, true);
             let b_lo = frag_pair::<F>(&b4, 0usize);
             let b_hi = frag_pair::<F>(&b4, 2usize);
-            def.execute_inplace(&af, &b_lo, acc.index_mut(comptime!(2 * np)));
-            def.execute_inplace(&af, &b_hi, acc.index_mut(comptime!(2 * np + 1)));
+            #[unroll]
+            for mt in 0..m_tiles {
+                let af = a_frags.index(mt);
+                def.execute_inplace(af, &b_lo, acc.index_mut(comptime!(mt * n_tiles + 2 * np)));
+                def.execute_inplace(
+                    af,
+                    &b_hi,
+                    acc.index_mut(comptime!(mt * n_tiles + 2 * np + 1)),
+                );
+            }
         }
     }
 }
@@ -2244,7 +2265,8 @@ fn fused_dq_block<F: Float, N: Size>(
     );
     sync_cube();
     fused_dq_apply::<F, N>(
-        dss, 0usize, ks, dq_acc, b, h, q0, seq, warp, lane, r_lo, r_hi, c_lo, warps, bq, d, ldt, nv,
+        dss, 0usize, ks, dq_acc, b, h, q0, seq, warp, lane, r_lo, r_hi, c_lo, warps, bq, d, ldt,
+        nv, 1usize,
     );
 }
 
@@ -2273,23 +2295,28 @@ fn fused_dq_apply<F: Float, N: Size>(
     #[comptime] d: usize,
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
+    #[comptime] mt: usize,
 ) {
     // Pitch of the dS^T tile (elements): 8 mod 16, so stores and ldmatrix rows hit distinct
     // banks.
     let ldd = comptime!(bq + 8);
-    let wpm = comptime!(warps / (bq / 16));
+    // Warps split the block's `bq x d` dQ into `bq / (16 * mt)` row groups of `16 * mt` rows
+    // and `wpm` column slices of `cw` (two m-tiles when that leaves each warp at least two
+    // n-tiles, [`dq_m_tiles`]: fewer shared-memory reads per product, see `mma_atb_acc`).
+    let wpm = comptime!(warps / (bq / (16 * mt)));
     let cw = comptime!(d / wpm);
     let mq = warp / wpm;
     let c0 = (warp % wpm) * cw;
-    let mut dq_frags = zero_frags(comptime!(cw / 8));
+    let mut dq_frags = zero_frags(comptime!(mt * cw / 8));
     // The half's row offset folds into the column offset: the tile is addressed row * ldd + col.
     mma_atb_acc::<F, Const<2>, N>(
         dss,
-        dss_row0 * ldd + 16 * mq,
+        dss_row0 * ldd + 16 * mt * mq,
         ks,
         c0,
         &mut dq_frags,
         lane,
+        mt,
         warps,
         comptime!(cw / 8),
         ldd,
@@ -2299,23 +2326,40 @@ fn fused_dq_apply<F: Float, N: Size>(
     );
     let dq_base = b * dq_acc.stride(0) + h * dq_acc.stride(1);
     #[unroll]
-    for hh in 0..2usize {
-        let mut r = r_lo;
-        if hh == 1 {
-            r = r_hi;
-        }
-        let row = q0 + 16 * mq + r;
-        if row < seq {
-            let rb = dq_base + row * dq_acc.stride(2) + c0 + c_lo;
-            #[unroll]
-            for j in 0..comptime!(cw / 8) {
-                let pair = dq_frags.index(j)[hh];
-                // One 8-byte atomic per column pair (sm_90 adds f32 pairs natively): half the
-                // atomics of two scalar adds. `rb` is even (even `c0 + c_lo`, even strides).
-                dq_acc[(rb + 8 * j) / 2].fetch_add(pair);
+    for m in 0..mt {
+        #[unroll]
+        for hh in 0..2usize {
+            let mut r = r_lo;
+            if hh == 1 {
+                r = r_hi;
+            }
+            let row = q0 + 16 * mt * mq + 16 * m + r;
+            if row < seq {
+                let rb = dq_base + row * dq_acc.stride(2) + c0 + c_lo;
+                #[unroll]
+                for j in 0..comptime!(cw / 8) {
+                    let pair = dq_frags.index(comptime!(m * (cw / 8) + j))[hh];
+                    // One 8-byte atomic per column pair (sm_90 adds f32 pairs natively): half
+                    // the atomics of two scalar adds. `rb` is even (even `c0 + c_lo`, even
+                    // strides).
+                    dq_acc[(rb + 8 * j) / 2].fetch_add(pair);
+                }
             }
         }
     }
+}
+
+/// M-tiles per warp of the deferred fused dQ (`fused_dq_apply`; a comptime launch argument, so
+/// that cached kernels follow the variable): 2 when the block's `bq` rows split into
+/// whole 32-row groups and each warp keeps at least two 8-column n-tiles, unless
+/// `SMP_BURN_FLASH_DQ_MTILES=1` (read once; for measuring the difference).
+fn dq_m_tiles(warps: usize, bq: usize, d: usize) -> usize {
+    static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let one = *ONE
+        .get_or_init(|| std::env::var("SMP_BURN_FLASH_DQ_MTILES").is_ok_and(|v| v.trim() == "1"));
+    let fits =
+        bq.is_multiple_of(32) && warps.is_multiple_of(bq / 32) && d / (warps / (bq / 32)) >= 16;
+    if fits && !one { 2 } else { 1 }
 }
 
 /// dK and dV with `cp.async` double buffering ([`MmaBwdPipe::Async`]), and with `fused` dQ by
@@ -2350,6 +2394,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     #[comptime] bq: usize,
     #[comptime] fused: bool,
     #[comptime] defer_dq: bool,
+    #[comptime] dq_mt: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let bk = comptime!(16 * warps);
@@ -2513,6 +2558,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                     d,
                     ldt,
                     nv,
+                    dq_mt,
                 );
             }
         }
@@ -2646,6 +2692,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 d,
                 ldt,
                 nv,
+                dq_mt,
             );
         }
     }
@@ -3309,6 +3356,11 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 tiling.inner,
                 fused,
                 fused && defer_fused_dq(),
+                if fused && defer_fused_dq() {
+                    dq_m_tiles(tiling.warps, tiling.inner, head_dim)
+                } else {
+                    1
+                },
                 dtype.into(),
             );
         }
@@ -3521,7 +3573,8 @@ fn mma_probe_kernel<F: Float, N: Size>(
     sync_cube();
     let mut t_acc = zero_frags(2usize);
     mma_atb_acc::<F, Const<2>, N>(
-        &xs, 0usize, &vs, 0usize, &mut t_acc, lane, 1usize, 2usize, ldt, 2usize, ldt, 1usize,
+        &xs, 0usize, &vs, 0usize, &mut t_acc, lane, 1usize, 1usize, 2usize, ldt, 2usize, ldt,
+        1usize,
     );
     #[unroll]
     for dt in 0..2usize {
