@@ -1705,56 +1705,6 @@ fn dkdv_block<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] causal_mask: bool,
 ) {
-    dkdv_scores::<F, N>(
-        ks, vs, qs, dos, qrow0, wrow, lane, s_acc, dp_acc, q_tiles, k_steps, ldt, nv,
-    );
-    dkdv_grads::<F, N>(
-        qs,
-        dos,
-        lse_s,
-        delta_s,
-        qrow0,
-        q0,
-        wk0,
-        r_lo,
-        r_hi,
-        c_lo,
-        scale,
-        s_acc,
-        dp_acc,
-        p,
-        ds,
-        dk_acc,
-        dv_acc,
-        lane,
-        q_tiles,
-        d_tiles,
-        ldt,
-        nv,
-        causal_mask,
-    );
-}
-
-/// The first half of [`dkdv_block`]: this warp's `S^T` and `dP^T` (its 16 keys by the block's
-/// queries) into `s_acc` and `dp_acc`. Split off so that a kernel can issue other independent
-/// work (the deferred dQ) while these products are in flight.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn dkdv_scores<F: Float, N: Size>(
-    ks: &SharedMemory<Vector<F, N>>,
-    vs: &SharedMemory<Vector<F, N>>,
-    qs: &SharedMemory<Vector<F, N>>,
-    dos: &SharedMemory<Vector<F, N>>,
-    qrow0: usize,
-    wrow: usize,
-    lane: usize,
-    s_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    dp_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    #[comptime] q_tiles: usize,
-    #[comptime] k_steps: usize,
-    #[comptime] ldt: usize,
-    #[comptime] nv: usize,
-) {
     // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys: rows are keys, columns
     // queries, in the accumulator layout.
     mma_abt_strip::<F, N>(
@@ -1763,38 +1713,6 @@ fn dkdv_scores<F: Float, N: Size>(
     mma_abt_strip::<F, N>(
         vs, wrow, dos, qrow0, dp_acc, lane, 1usize, q_tiles, k_steps, ldt, nv,
     );
-}
-
-/// The second half of [`dkdv_block`]: `P^T` and `dS^T` from the scores, then `dV += P^T dO`
-/// and `dK += dS^T Q`.
-#[cube]
-// The comptime `causal_mask` branch stays nested around the runtime one (see `fwd_block`).
-#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
-fn dkdv_grads<F: Float, N: Size>(
-    qs: &SharedMemory<Vector<F, N>>,
-    dos: &SharedMemory<Vector<F, N>>,
-    lse_s: &SharedMemory<f32>,
-    delta_s: &SharedMemory<f32>,
-    qrow0: usize,
-    q0: usize,
-    wk0: usize,
-    r_lo: usize,
-    r_hi: usize,
-    c_lo: usize,
-    scale: f32,
-    s_acc: &Sequence<Array<Vector<f32, Const<2>>>>,
-    dp_acc: &Sequence<Array<Vector<f32, Const<2>>>>,
-    p: &mut Array<f32>,
-    ds: &mut Array<f32>,
-    dk_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    dv_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    lane: usize,
-    #[comptime] q_tiles: usize,
-    #[comptime] d_tiles: usize,
-    #[comptime] ldt: usize,
-    #[comptime] nv: usize,
-    #[comptime] causal_mask: bool,
-) {
     // Only blocks where some key follows some query need the causal mask.
     let masked = wk0 + 15 > q0;
     let key_lo = wk0 + r_lo;
@@ -2431,22 +2349,6 @@ fn fused_dq_apply<F: Float, N: Size>(
     }
 }
 
-/// Where in a block the deferred fused dQ of the block before runs (`flash_bwd_dkdv_mma_cp`'s
-/// `dq_at`): 0 right after the barrier, 1 behind the block's score products, 2 after its dS^T
-/// store. `SMP_BURN_FLASH_DQ_AT` (read once; for measuring), default 0.
-fn deferred_dq_position() -> usize {
-    static AT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *AT.get_or_init(|| match std::env::var("SMP_BURN_FLASH_DQ_AT") {
-        Err(_) => 0,
-        Ok(v) => match v.trim() {
-            "0" => 0,
-            "1" => 1,
-            "2" => 2,
-            other => panic!("SMP_BURN_FLASH_DQ_AT={other:?}: expected 0, 1 or 2"),
-        },
-    })
-}
-
 /// M-tiles per warp of the deferred fused dQ (`fused_dq_apply`; a comptime launch argument, so
 /// that cached kernels follow the variable): 2 when the block's `bq` rows split into
 /// whole 32-row groups and each warp keeps at least two 8-column n-tiles, unless
@@ -2493,7 +2395,6 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     #[comptime] fused: bool,
     #[comptime] defer_dq: bool,
     #[comptime] dq_mt: usize,
-    #[comptime] dq_at: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let bk = comptime!(16 * warps);
@@ -2635,54 +2536,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 nthreads,
             );
         }
-        // The previous block's dS^T, stored by every warp before this block's barrier, goes
-        // into dQ at `dq_at` 0 (here), 1 (behind this block's score products) or 2 (after
-        // this block's dS^T store).
-        if comptime!(fused && defer_dq && dq_at == 0) {
-            if it > 0 {
-                fused_dq_apply::<F, N>(
-                    &dss,
-                    ((it + 1) % 2) * bk,
-                    &ks,
-                    dq_acc,
-                    b,
-                    owed_h,
-                    owed_q0,
-                    seq,
-                    warp,
-                    lane,
-                    r_lo,
-                    r_hi,
-                    c_lo,
-                    warps,
-                    bq,
-                    d,
-                    ldt,
-                    nv,
-                    dq_mt,
-                );
-            }
-        }
-        // Warps whose keys all follow the block's last query see none of it (warp-uniform).
-        let active = wk0 < q0 + bq;
-        if active {
-            dkdv_scores::<F, N>(
-                &ks,
-                &vs,
-                &qs,
-                &dos,
-                qrow0,
-                wrow,
-                lane,
-                &mut s_acc,
-                &mut dp_acc,
-                q_tiles,
-                k_steps,
-                ldt,
-                nv,
-            );
-        }
-        if comptime!(fused && defer_dq && dq_at == 1) {
+        if comptime!(fused && defer_dq) {
+            // The previous block's dS^T, stored by every warp before this block's barrier.
             if it > 0 {
                 fused_dq_apply::<F, N>(
                     &dss,
@@ -2709,53 +2564,61 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
         }
         // No key of the cube follows the block's first query: no causal mask (see the forward).
         if k0 + bk <= q0 + 1 {
-            dkdv_grads::<F, N>(
+            dkdv_block::<F, N>(
+                &ks,
+                &vs,
                 &qs,
                 &dos,
                 &lse_s,
                 &delta_s,
                 qrow0,
                 q0,
+                wrow,
                 wk0,
+                lane,
                 r_lo,
                 r_hi,
                 c_lo,
                 scale,
-                &s_acc,
-                &dp_acc,
+                &mut s_acc,
+                &mut dp_acc,
                 &mut p,
                 &mut ds,
                 &mut dk_acc,
                 &mut dv_acc,
-                lane,
                 q_tiles,
                 d_tiles,
+                k_steps,
                 ldt,
                 nv,
                 false,
             );
-        } else if active {
-            dkdv_grads::<F, N>(
+        } else if wk0 < q0 + bq {
+            dkdv_block::<F, N>(
+                &ks,
+                &vs,
                 &qs,
                 &dos,
                 &lse_s,
                 &delta_s,
                 qrow0,
                 q0,
+                wrow,
                 wk0,
+                lane,
                 r_lo,
                 r_hi,
                 c_lo,
                 scale,
-                &s_acc,
-                &dp_acc,
+                &mut s_acc,
+                &mut dp_acc,
                 &mut p,
                 &mut ds,
                 &mut dk_acc,
                 &mut dv_acc,
-                lane,
                 q_tiles,
                 d_tiles,
+                k_steps,
                 ldt,
                 nv,
                 true,
@@ -2780,31 +2643,6 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 comptime!(bq / 8),
                 comptime!(bq + 8),
             );
-            if comptime!(dq_at == 2) {
-                if it > 0 {
-                    fused_dq_apply::<F, N>(
-                        &dss,
-                        ((it + 1) % 2) * bk,
-                        &ks,
-                        dq_acc,
-                        b,
-                        owed_h,
-                        owed_q0,
-                        seq,
-                        warp,
-                        lane,
-                        r_lo,
-                        r_hi,
-                        c_lo,
-                        warps,
-                        bq,
-                        d,
-                        ldt,
-                        nv,
-                        dq_mt,
-                    );
-                }
-            }
             owed_q0 = q0;
             owed_h = h_first + it / n_blk;
         } else if comptime!(fused) {
@@ -3522,11 +3360,6 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                     dq_m_tiles(tiling.warps, tiling.inner, head_dim)
                 } else {
                     1
-                },
-                if fused && defer_fused_dq() {
-                    deferred_dq_position()
-                } else {
-                    0
                 },
                 dtype.into(),
             );
