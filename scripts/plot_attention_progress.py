@@ -11,9 +11,10 @@ OURS = [
     (9, "call DG (unmasked blocks)", 245, 294, 188, 197),
     (10, "call DI (backward split)", 248, 295, 194, 206),
     (11, "calls DU, DV (addresses, atomic dQ)", 257, 315, 203, 241),
+    (12, "call EA (dQ deferred, two m-tiles)", 252, 315, 217, 252),
 ]
-# PyTorch's flash backend (torch 2.11 SDPA), same call as session 11's figures.
-TORCH = {"fwd 4k": 262, "fwd 16k": 336, "bwd 4k": 215, "bwd 16k": 304}
+# PyTorch's flash backend (torch 2.11 SDPA), same call as session 12's last figures (call EC).
+TORCH = {"fwd 4k": 249, "fwd 16k": 338, "bwd 4k": 218, "bwd 16k": 303}
 
 W, H = 820, 330
 PANEL_W, PANEL_H = 320, 220

@@ -2357,9 +2357,14 @@ fn dq_m_tiles(warps: usize, bq: usize, d: usize) -> usize {
     static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let one = *ONE
         .get_or_init(|| std::env::var("SMP_BURN_FLASH_DQ_MTILES").is_ok_and(|v| v.trim() == "1"));
+    if one { 1 } else { dq_m_tiles_for(warps, bq, d) }
+}
+
+/// [`dq_m_tiles`] without the override: the shape rule alone.
+fn dq_m_tiles_for(warps: usize, bq: usize, d: usize) -> usize {
     let fits =
         bq.is_multiple_of(32) && warps.is_multiple_of(bq / 32) && d / (warps / (bq / 32)) >= 16;
-    if fits && !one { 2 } else { 1 }
+    if fits { 2 } else { 1 }
 }
 
 /// dK and dV with `cp.async` double buffering ([`MmaBwdPipe::Async`]), and with `fused` dQ by
@@ -3716,6 +3721,23 @@ mod tests {
             ("2", None),
         ] {
             assert_eq!(parse_switch(value), parsed, "{value:?}");
+        }
+    }
+
+    /// Every atomic tiling splits its fused dQ into whole warps' slices of an even number of
+    /// n-tiles at both head dims, with two m-tiles where call EA measured them (8x64, hd 128).
+    #[test]
+    fn fused_dq_slices_fit_every_atomic_tiling() {
+        assert_eq!(dq_m_tiles_for(8, 64, 128), 2);
+        assert_eq!(dq_m_tiles_for(8, 32, 64), 1);
+        for t in MmaBwdTiling::ALL.iter().filter(|t| t.dq == MmaDq::Atomic) {
+            for d in [64, 128] {
+                let mt = dq_m_tiles_for(t.warps, t.inner, d);
+                let groups = t.inner / (16 * mt);
+                assert_eq!(t.warps % groups, 0, "{t} d {d}");
+                let cols = d / (t.warps / groups);
+                assert_eq!(cols % 16, 0, "{t} d {d}: {cols} columns per warp");
+            }
         }
     }
 }
