@@ -2270,10 +2270,10 @@ fn fused_dq_block<F: Float, N: Size>(
     );
 }
 
-/// The second half of [`fused_dq_block`]: each warp forms its `16 x d / wpm` tile of `dQ = dS
-/// K` from the `dS^T` tile whose first key row is row `dss_row0` of `dss` (0, or `bk` for the
-/// second half of a double buffer), all of whose rows the caller has made visible with a cube
-/// barrier, and adds it to `dq_acc` with f32-pair atomics.
+/// The second half of [`fused_dq_block`]: each warp forms its `16 * mt x d / wpm` tile of `dQ =
+/// dS K` from the `dS^T` tile whose first key row is row `dss_row0` of `dss` (0, or `bk` for
+/// the second half of a double buffer), all of whose rows the caller has made visible with a
+/// cube barrier, and adds it to `dq_acc` with f32-pair atomics.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fused_dq_apply<F: Float, N: Size>(
@@ -2353,10 +2353,19 @@ fn fused_dq_apply<F: Float, N: Size>(
 /// that cached kernels follow the variable): 2 when the block's `bq` rows split into
 /// whole 32-row groups and each warp keeps at least two 8-column n-tiles, unless
 /// `SMP_BURN_FLASH_DQ_MTILES=1` (read once; for measuring the difference).
+///
+/// # Panics
+/// If the variable holds anything but `1` or `2`.
 fn dq_m_tiles(warps: usize, bq: usize, d: usize) -> usize {
     static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let one = *ONE
-        .get_or_init(|| std::env::var("SMP_BURN_FLASH_DQ_MTILES").is_ok_and(|v| v.trim() == "1"));
+    let one = *ONE.get_or_init(|| match std::env::var("SMP_BURN_FLASH_DQ_MTILES") {
+        Err(_) => false,
+        Ok(v) => match v.trim() {
+            "1" => true,
+            "2" => false,
+            other => panic!("SMP_BURN_FLASH_DQ_MTILES={other:?}: expected 1 or 2"),
+        },
+    });
     if one { 1 } else { dq_m_tiles_for(warps, bq, d) }
 }
 
