@@ -3346,6 +3346,8 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     // elements, columns multiples of 8). The cp.async copies are `2 * nv` bytes at
     // `nv`-aligned global offsets (`vector_width`) and 16-byte aligned shared rows.
     if async_copy {
+        // The fused dQ of the `cp.async` kernel runs one block late (`defer_fused_dq`).
+        let defer_dq = fused && defer_fused_dq();
         unsafe {
             flash_bwd_dkdv_mma_cp::launch_unchecked::<R>(
                 &client,
@@ -3369,8 +3371,8 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 tiling.warps,
                 tiling.inner,
                 fused,
-                fused && defer_fused_dq(),
-                if fused && defer_fused_dq() {
+                defer_dq,
+                if defer_dq {
                     dq_m_tiles(tiling.warps, tiling.inner, head_dim)
                 } else {
                     1
