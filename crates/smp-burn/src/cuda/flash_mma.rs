@@ -513,6 +513,23 @@ fn defer_fused_dq() -> bool {
     })
 }
 
+/// Whether the forward skips a warp's rescale of its output accumulators (`O *= exp(m_old -
+/// m_new)`, 128 multiplies per lane and block at hd 128 with two m-tiles) in blocks where none
+/// of the warp's rows found a larger maximum; exact, as the factor is then 1. Off unless
+/// `SMP_BURN_FLASH_SKIP_RESCALE=1` (read once), until a measurement says it pays for its vote.
+///
+/// # Panics
+/// If the variable holds anything but `1`, `0`, `true`, `false` or nothing.
+fn skip_unchanged_rescale() -> bool {
+    static SKIP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SKIP.get_or_init(|| match std::env::var("SMP_BURN_FLASH_SKIP_RESCALE") {
+        Err(_) => false,
+        Ok(value) => parse_switch(&value).unwrap_or_else(|| {
+            panic!("SMP_BURN_FLASH_SKIP_RESCALE={value:?}: expected 1 / true or 0 / false")
+        }),
+    })
+}
+
 /// An on/off environment value: `1` / `true` on, `0` / `false` / empty off (any case,
 /// surrounding blanks ignored); `None` for anything else.
 fn parse_switch(value: &str) -> Option<bool> {
@@ -902,10 +919,15 @@ fn fwd_block<F: Float, N: Size>(
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
     #[comptime] causal_mask: bool,
+    #[comptime] skip_rescale: bool,
 ) {
     mma_abt_strip::<F, N>(
         qs, wrow, ks, krow0, s_acc, lane, m_tiles, n_tiles, k_steps, ldt, nv,
     );
+    // With `skip_rescale`, each row's factor waits here until the warp knows whether any of
+    // its rows found a larger maximum (late in a long row almost none does).
+    let mut alphas = Array::<f32>::new(comptime!(2 * m_tiles));
+    let mut grew = false;
     // Only blocks that reach past this warp's first row need the causal mask.
     let masked = k0 + comptime!(8 * n_tiles) > row0 + 1;
     #[unroll]
@@ -954,11 +976,36 @@ fn fwd_block<F: Float, N: Size>(
                 lsum += pe;
             }
             l_run[si] = l_run[si] * alpha + lsum;
-            let alpha_v = Vector::<f32, Const<2>>::new(alpha);
+            if comptime!(skip_rescale) {
+                alphas[si] = alpha;
+                if m_new > m_old {
+                    grew = true;
+                }
+            } else {
+                let alpha_v = Vector::<f32, Const<2>>::new(alpha);
+                #[unroll]
+                for dt in 0..d_tiles {
+                    let frag = o_acc.index_mut(comptime!(mt * d_tiles + dt));
+                    frag[hh] = frag[hh] * alpha_v;
+                }
+            }
+        }
+    }
+    if comptime!(skip_rescale) {
+        // Warp-uniform: where no row's maximum grew every factor is exactly 1 (`exp(0)`), so
+        // skipping the multiplies changes no value.
+        if plane_any(grew) {
             #[unroll]
-            for dt in 0..d_tiles {
-                let frag = o_acc.index_mut(comptime!(mt * d_tiles + dt));
-                frag[hh] = frag[hh] * alpha_v;
+            for mt in 0..m_tiles {
+                #[unroll]
+                for hh in 0..2usize {
+                    let alpha_v = Vector::<f32, Const<2>>::new(alphas[comptime!(mt * 2 + hh)]);
+                    #[unroll]
+                    for dt in 0..d_tiles {
+                        let frag = o_acc.index_mut(comptime!(mt * d_tiles + dt));
+                        frag[hh] = frag[hh] * alpha_v;
+                    }
+                }
             }
         }
     }
@@ -1045,6 +1092,7 @@ fn flash_fwd_mma<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] warps: usize,
     #[comptime] m_tiles: usize,
+    #[comptime] skip_rescale: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let rows_w = comptime!(16 * m_tiles);
@@ -1176,16 +1224,60 @@ fn flash_fwd_mma<F: Float, N: Size>(
         // SASS: 64 ISETP + 64 FSEL per lane and block).
         if k0 + bk <= q0 + 1 {
             fwd_block::<F, N>(
-                &qs, &ks, &vs, 0usize, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
-                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
-                ldt, nv, false,
+                &qs,
+                &ks,
+                &vs,
+                0usize,
+                k0,
+                wrow,
+                row0,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                scale,
+                &mut s_acc,
+                &mut p,
+                &mut m_run,
+                &mut l_run,
+                &mut o_acc,
+                m_tiles,
+                n_tiles,
+                d_tiles,
+                k_steps,
+                ldt,
+                nv,
+                false,
+                skip_rescale,
             );
         } else if k0 < row0 + rows_w {
             // Warps whose rows all precede the block see none of its keys (warp-uniform).
             fwd_block::<F, N>(
-                &qs, &ks, &vs, 0usize, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
-                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
-                ldt, nv, true,
+                &qs,
+                &ks,
+                &vs,
+                0usize,
+                k0,
+                wrow,
+                row0,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                scale,
+                &mut s_acc,
+                &mut p,
+                &mut m_run,
+                &mut l_run,
+                &mut o_acc,
+                m_tiles,
+                n_tiles,
+                d_tiles,
+                k_steps,
+                ldt,
+                nv,
+                true,
+                skip_rescale,
             );
         }
     }
@@ -1222,6 +1314,7 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
     #[comptime] warps: usize,
     #[comptime] m_tiles: usize,
     #[comptime] keys: usize,
+    #[comptime] skip_rescale: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let rows_w = comptime!(16 * m_tiles);
@@ -1334,16 +1427,60 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
         // SASS: 64 ISETP + 64 FSEL per lane and block).
         if k0 + bk <= q0 + 1 {
             fwd_block::<F, N>(
-                &qs, &ks, &vs, krow0, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
-                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
-                ldt, nv, false,
+                &qs,
+                &ks,
+                &vs,
+                krow0,
+                k0,
+                wrow,
+                row0,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                scale,
+                &mut s_acc,
+                &mut p,
+                &mut m_run,
+                &mut l_run,
+                &mut o_acc,
+                m_tiles,
+                n_tiles,
+                d_tiles,
+                k_steps,
+                ldt,
+                nv,
+                false,
+                skip_rescale,
             );
         } else if k0 < row0 + rows_w {
             // Warps whose rows all precede the block see none of its keys (warp-uniform).
             fwd_block::<F, N>(
-                &qs, &ks, &vs, krow0, k0, wrow, row0, lane, r_lo, r_hi, c_lo, scale, &mut s_acc,
-                &mut p, &mut m_run, &mut l_run, &mut o_acc, m_tiles, n_tiles, d_tiles, k_steps,
-                ldt, nv, true,
+                &qs,
+                &ks,
+                &vs,
+                krow0,
+                k0,
+                wrow,
+                row0,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                scale,
+                &mut s_acc,
+                &mut p,
+                &mut m_run,
+                &mut l_run,
+                &mut o_acc,
+                m_tiles,
+                n_tiles,
+                d_tiles,
+                k_steps,
+                ldt,
+                nv,
+                true,
+                skip_rescale,
             );
         }
     }
@@ -1388,6 +1525,7 @@ pub(super) fn launch_forward<R: CubeRuntime>(
             "flash attention (Mma): {tiling} needs cp.async and cube barriers (sm_80+)"
         );
     }
+    let skip_rescale = skip_unchanged_rescale();
     let n_blocks = seq.div_ceil(tiling.rows()) as u32;
     let count = CubeCount::Static(heads_q as u32, n_blocks, batch as u32);
     let dim = CubeDim::new_1d(32 * tiling.warps as u32);
@@ -1417,6 +1555,7 @@ pub(super) fn launch_forward<R: CubeRuntime>(
                 tiling.warps,
                 tiling.m_tiles,
                 tiling.keys,
+                skip_rescale,
                 dtype.into(),
             );
         } else {
@@ -1438,6 +1577,7 @@ pub(super) fn launch_forward<R: CubeRuntime>(
                 nv,
                 tiling.warps,
                 tiling.m_tiles,
+                skip_rescale,
                 dtype.into(),
             );
         }
