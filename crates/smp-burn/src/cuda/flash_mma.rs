@@ -515,20 +515,28 @@ fn defer_fused_dq() -> bool {
 
 /// How the forward rescales a warp's output accumulators (`O *= exp(m_old - m_new)`, 128
 /// multiplies per lane and block at hd 128 with two m-tiles) when a row's running maximum
-/// grows. With `skip` (the default) the warp votes and skips the multiplies in blocks where no
-/// row's maximum moved, which is exact (every factor is then 1): late in a long row almost no
-/// maximum grows, and the skip made the hd-128 forward 6 % faster (session 13, call EF).
-/// `slack` (natural-log units, default 0) also keeps a maximum stale while a new one exceeds
-/// it by at most that much, as FlashAttention-4 does, so that fewer blocks rescale; the
-/// probabilities then reach `exp(slack)` before the final division, which cancels it.
+/// grows. With `skip` the warp votes and skips the multiplies in blocks where no row's maximum
+/// moved: exact, as every factor is then 1, and late in a long row almost no maximum grows
+/// (+6 % on the hd-128 forward, session 13 call EF). `slack` (natural-log units) also keeps a
+/// maximum stale while a new one exceeds it by at most that much, as FlashAttention-4 does, so
+/// that fewer blocks rescale (another +3-4 %, call EG); the probabilities then reach
+/// `exp(slack)` (about 3,000 at the default 8) before the final division by the row sum, which
+/// carries the same maximum and cancels it, and `lse = m + ln(l)` stays the same value.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct RescalePolicy {
+    /// Skip the multiplies where no row's maximum moved.
     skip: bool,
+    /// How far a maximum may grow and stay stale (only read with `skip`).
     slack: f32,
 }
 
-/// The [`RescalePolicy`] from `SMP_BURN_FLASH_SKIP_RESCALE` (`0` turns the skip off) and
-/// `SMP_BURN_FLASH_RESCALE_SLACK` (a number from 0 to 20), read once.
+/// The forward's default rescale slack: `exp(8)` keeps the stale-maximum probabilities far
+/// inside f32 and bf16 range while almost every block after the first few skips its rescale.
+const DEFAULT_RESCALE_SLACK: f32 = 8.0;
+
+/// The [`RescalePolicy`] from `SMP_BURN_FLASH_SKIP_RESCALE` (`0` turns the skip off; default
+/// on) and `SMP_BURN_FLASH_RESCALE_SLACK` (a number from 0 to 20, 0 for the exact skip;
+/// default [`DEFAULT_RESCALE_SLACK`]), read once.
 ///
 /// # Panics
 /// If either variable holds anything else (a silent fallback would make a benchmark measure
@@ -543,7 +551,7 @@ fn rescale_policy() -> RescalePolicy {
             }),
         };
         let slack = match std::env::var("SMP_BURN_FLASH_RESCALE_SLACK") {
-            Err(_) => 0.0,
+            Err(_) => DEFAULT_RESCALE_SLACK,
             Ok(value) => parse_slack(&value).unwrap_or_else(|| {
                 panic!("SMP_BURN_FLASH_RESCALE_SLACK={value:?}: expected a number from 0 to 20")
             }),
@@ -2346,10 +2354,11 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
                 }
             }
 
-            // No key of the cube follows the block's first query: no causal mask (see the forward).
+            // No key of the warp follows the block's first query: no causal mask (decided per
+            // warp, see the forward).
             // Otherwise, warps whose keys all follow the block's last query see none of it
             // (warp-uniform).
-            if k0 + bk <= q0 + 1 {
+            if wk0 + 16 <= q0 + 1 {
                 dkdv_block::<F, N>(
                     &ks,
                     &vs,
@@ -2783,8 +2792,9 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 );
             }
         }
-        // No key of the cube follows the block's first query: no causal mask (see the forward).
-        if k0 + bk <= q0 + 1 {
+        // No key of the warp follows the block's first query: no causal mask (decided per
+        // warp, see the forward).
+        if wk0 + 16 <= q0 + 1 {
             dkdv_block::<F, N>(
                 &ks,
                 &vs,
@@ -3067,9 +3077,10 @@ fn flash_bwd_dq_mma<F: Float, N: Size>(
             );
         }
 
-        // No row of the cube precedes the block's last key: no causal mask (see the forward).
-        // Otherwise, warps whose rows all precede the block see none of its keys (warp-uniform).
-        if k0 + bk <= q0 + 1 {
+        // No row of the warp precedes the block's last key: no causal mask (decided per warp,
+        // see the forward). Otherwise, warps whose rows all precede the block see none of its
+        // keys (warp-uniform).
+        if k0 + bk <= row0 + 1 {
             dq_block::<F, N>(
                 &qs,
                 &dos,
@@ -3273,8 +3284,9 @@ fn flash_bwd_dq_mma_cp<F: Float, N: Size>(
                 nthreads,
             );
         }
-        // No row of the cube precedes the block's last key: no causal mask (see the forward).
-        if k0 + bk <= q0 + 1 {
+        // No row of the warp precedes the block's last key: no causal mask (decided per warp,
+        // see the forward).
+        if k0 + bk <= row0 + 1 {
             dq_block::<F, N>(
                 &qs,
                 &dos,
@@ -3899,6 +3911,22 @@ mod tests {
         );
         assert_eq!(MmaBwdTiling::parse("8x64-atomic-vd-cp"), None);
         assert_eq!(MmaBwdTiling::parse("2x64-split"), None);
+    }
+
+    /// The slack bounds the stale-maximum probabilities by `exp(slack)`, so only values that
+    /// keep them far inside f32 pass; anything else must be refused, not clamped.
+    #[test]
+    fn rescale_slack_reads_only_safe_values() {
+        assert_eq!(parse_slack("0"), Some(0.0));
+        assert_eq!(parse_slack(" 5.5 "), Some(5.5));
+        assert_eq!(parse_slack("20"), Some(20.0));
+        for bad in ["-1", "20.5", "inf", "NaN", "eight", ""] {
+            assert_eq!(parse_slack(bad), None, "{bad:?}");
+        }
+        assert!(
+            DEFAULT_RESCALE_SLACK.exp() * 65_536.0 * 1e4 < f32::MAX,
+            "a row of 64k keys at the default slack must stay finite"
+        );
     }
 
     #[test]
