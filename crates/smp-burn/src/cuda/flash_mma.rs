@@ -44,9 +44,11 @@
 //! `m_tiles == 2` the accumulators need those registers, so staging is synchronous. Per lane,
 //! the registers hold O (`m_tiles * d / 2` f32), S/P (`m_tiles * 32` f32), the running max and
 //! sum of its 2 rows per m-tile, and the fragments in flight. The softmax is the usual online
-//! one (rescale O and the sum by `exp(m_old - m_new)` every block); scores are masked with a
-//! finite `-1e30` only on blocks that cross the diagonal, and warps whose rows are all above a
-//! key block skip it.
+//! one (rescale O and the sum by `exp(m_old - m_new)`), except that a warp skips the rescale of
+//! O in blocks where none of its rows' maxima grew by more than a slack (`RescalePolicy`: a
+//! stale maximum cancels in the final division); scores are masked with a finite `-1e30` only
+//! in the warps whose rows a block crosses (a warp-uniform choice between two copies of the
+//! block code), and warps whose rows are all above a key block skip it.
 //!
 //! The `-cp` tilings ([`MmaTiling::cp_async`], `flash_fwd_mma_cp`) copy K/V with `cp.async`
 //! into a double buffer instead (the backward's `-cp` mechanism, same helpers): no staging
@@ -151,7 +153,9 @@ impl MmaTiling {
     /// on an H200 (session 4 call W, causal hd 128): 219 TFLOP/s at S = 4096 and 262 at 16384,
     /// where the register-prefetching 8x1 (the previous default) gives 170-176 / 190 and the
     /// other `-cp` tilings 191-209 at 4096. With the unmasked block copy (session 9 call DG):
-    /// 245 / 294 TFLOP/s, against PyTorch's flash forward 263 / 333 in the same call.
+    /// 245 / 294 TFLOP/s, against PyTorch's flash forward 263 / 333 in the same call. With the
+    /// rescale skip (session 13 call EH): 285 / 340 (PyTorch 256 / 333); FA2's own shape, 4x2-cp
+    /// (two cubes per SM), stays 2-12 % slower (call EF).
     pub const DEFAULT: MmaTiling = MmaTiling::new(8, 2, true);
 
     /// The default at head dim 64 (the 1b preset's): 4 warps of 2 x 16 rows with `cp.async`,
