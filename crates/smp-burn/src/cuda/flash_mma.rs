@@ -1582,8 +1582,11 @@ pub(super) fn launch_forward<R: CubeRuntime>(
     let nv = vector_width(&[&q, &k, &v]);
     let o_elem_bytes = o.dtype.size() as u64;
     assert!(
-        o.meta.strides()[..3].iter().all(|s| s % 2 == 0)
-            && o.handle.offset_start.unwrap_or(0) % (2 * o_elem_bytes) == 0,
+        o.meta.strides()[..3].iter().all(|s| s.is_multiple_of(2))
+            && o.handle
+                .offset_start
+                .unwrap_or(0)
+                .is_multiple_of(2 * o_elem_bytes),
         "flash attention (Mma): the output is written in element pairs, so its strides {:?} \
          must be even and its offset ({:?} bytes) a multiple of two elements",
         o.meta.strides(),
