@@ -60,4 +60,4 @@ for n, e in enumerate(found):
     p = os.path.join(dst, f"{name[:60]}_{n}.ptx"); open(p, 'wb').write(ptx)
     r = subprocess.run([ptxas, '-v', '--gpu-name', 'sm_90a', p, '-o', '/dev/null'], capture_output=True, text=True)
     info = ' '.join(l.split('info    : ')[-1] for l in r.stderr.splitlines() if 'Used' in l or 'spill' in l or 'stack' in l)
-    print(f"{name[:70]} smem={e.get('shared_mem_bytes')}: {info}")
+    print(f"{name[:70]} smem={e.get('shared_mem_bytes')}: {info} [{os.path.basename(p)}]")

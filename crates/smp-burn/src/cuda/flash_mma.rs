@@ -2745,11 +2745,23 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     // The block whose dQ is still owed (`defer_dq`): its first query and its head.
     let mut owed_q0 = 0usize;
     let mut owed_h = 0usize;
+    // Iteration `it` is query block `blk` of head `h_first + h_off`, kept as counters: `it /
+    // n_blk` and `it % n_blk` by a runtime divisor cost some 15 instructions each per block
+    // (call EL's SASS: three integer divisions in the loop).
+    let mut blk = 0usize;
+    let mut h_off = 0usize;
     for it in 0..n_it {
-        let q0 = (qb_start + it % n_blk) * bq;
+        let q0 = (qb_start + blk) * bq;
+        let h = h_first + h_off;
         let qrow0 = (it % 2) * bq;
         bar.commit_copy_async();
         bar.arrive_and_wait();
+        let mut next_blk = blk + 1;
+        let mut next_h_off = h_off;
+        if next_blk == n_blk {
+            next_blk = 0;
+            next_h_off += 1;
+        }
         let nx = it + 1;
         if nx < n_it {
             copy_qdo_async::<F, N>(
@@ -2762,8 +2774,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 &mut lse_s,
                 &mut delta_s,
                 b,
-                h_first + nx / n_blk,
-                (qb_start + nx % n_blk) * bq,
+                h_first + next_h_off,
+                (qb_start + next_blk) * bq,
                 seq,
                 bq - qrow0,
                 bq,
@@ -2882,31 +2894,16 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 comptime!(bq + 8),
             );
             owed_q0 = q0;
-            owed_h = h_first + it / n_blk;
+            owed_h = h;
         } else if comptime!(fused) {
             // The next iteration's barrier orders these reads of `dss` before its rewrite.
             fused_dq_block::<F, N>(
-                &ds,
-                &mut dss,
-                &ks,
-                dq_acc,
-                b,
-                h_first + it / n_blk,
-                q0,
-                seq,
-                warp,
-                wrow,
-                lane,
-                r_lo,
-                r_hi,
-                c_lo,
-                warps,
-                bq,
-                d,
-                ldt,
-                nv,
+                &ds, &mut dss, &ks, dq_acc, b, h, q0, seq, warp, wrow, lane, r_lo, r_hi, c_lo,
+                warps, bq, d, ldt, nv,
             );
         }
+        blk = next_blk;
+        h_off = next_h_off;
     }
     if comptime!(fused && defer_dq) {
         if n_it > 0 {
