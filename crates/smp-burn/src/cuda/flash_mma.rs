@@ -2678,31 +2678,37 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
         128usize,
     );
 
-    // Every thread arrives once per block (and its cp.async completions once more, through
-    // commit_copy_async), so one phase of the barrier is one block. Created before any copy
-    // is issued.
-    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    // K and V stay for the whole cube. Copied by `cp.async` with the first query block's Q and
-    // dO (below), so the first barrier waits for one round trip to memory instead of two (a
-    // synchronous copy first would also hold 32 staging registers per thread at hd 128).
-    copy_kv_async::<F, N>(
+    // K and V stay for the whole cube: a synchronous copy, ordered before the first block's
+    // reads by the barrier below.
+    stage_tile::<F, N>(
         k,
-        v,
         (b * k.stride(0) + hk * k.stride(1)) / nv,
-        (b * v.stride(0) + hk * v.stride(1)) / nv,
         k.stride(2) / nv,
-        v.stride(2) / nv,
         k0,
         seq,
         &mut ks,
-        &mut vs,
-        0usize,
         bk,
         d,
         ldt,
         nv,
         nthreads,
     );
+    stage_tile::<F, N>(
+        v,
+        (b * v.stride(0) + hk * v.stride(1)) / nv,
+        v.stride(2) / nv,
+        k0,
+        seq,
+        &mut vs,
+        bk,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    // Every thread arrives once per block (and its cp.async completions once more, through
+    // commit_copy_async), so one phase of the barrier is one block.
+    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
     let mut dk_acc = zero_frags(d_tiles);
     let mut dv_acc = zero_frags(d_tiles);
