@@ -923,6 +923,18 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
 // Forward
 // ------------------------------------------------------------------------------------------
 
+/// `2^x` through `__powf(2, x)` (CubeCL has no `exp2`): NVVM folds the base's `log2` to 1, so
+/// this is one `ex2.approx` where `exp` is a multiply by log2(e) and the same `ex2.approx`.
+/// The forward keeps its scores, maxima and slack in log2 units for it (the launch scales
+/// them by log2(e)), as FlashAttention does.
+#[cube]
+fn exp2(x: f32) -> f32 {
+    f32::new(2.0).powf(x)
+}
+
+/// ln(2), to turn the forward's log2-unit maximum into the natural-log `lse`.
+const LN_2: f32 = std::f32::consts::LN_2;
+
 /// One key block of the forward kernels for one warp's `16 * m_tiles` query rows (first row
 /// `row0`, row `wrow` of `qs`): `S = Q K^T`, the online softmax on the accumulators (the causal
 /// mask only on blocks that reach past the warp's first row, and only compiled in with
@@ -1015,13 +1027,13 @@ fn fwd_block<F: Float, N: Size>(
                     m_new = m_old;
                 }
             }
-            let alpha = (m_old - m_new).exp();
+            let alpha = exp2(m_old - m_new);
             m_run[si] = m_new;
             let mut lsum = f32::new(0.0);
             #[unroll]
             for j in 0..comptime!(2 * n_tiles) {
                 let idx = comptime!(((mt * n_tiles + j / 2) * 2 + hh) * 2 + j % 2);
-                let pe = (p[idx] * scale - m_new).exp();
+                let pe = exp2(p[idx] * scale - m_new);
                 p[idx] = pe;
                 lsum += pe;
             }
@@ -1120,7 +1132,8 @@ fn write_fwd_out<F: Float>(
                     o[ob + comptime!(4 * dt)] = out;
                 }
                 if c_lo == 0 {
-                    lse[lse_base + row * lse.stride(2)] = m_run[si] + l.ln();
+                    // The maximum is in log2 units (see `fwd_block`).
+                    lse[lse_base + row * lse.stride(2)] = m_run[si] * LN_2 + l.ln();
                 }
             }
         }
@@ -1606,6 +1619,9 @@ pub(super) fn launch_forward<R: CubeRuntime>(
         skip: skip_rescale,
         slack: rescale_slack,
     } = rescale_policy();
+    // The kernels work in log2 units (`exp2`): scores and slack scaled by log2(e).
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let rescale_slack = rescale_slack * std::f32::consts::LOG2_E;
     let n_blocks = seq.div_ceil(tiling.rows()) as u32;
     let count = CubeCount::Static(heads_q as u32, n_blocks, batch as u32);
     let dim = CubeDim::new_1d(32 * tiling.warps as u32);
@@ -1626,7 +1642,7 @@ pub(super) fn launch_forward<R: CubeRuntime>(
                 v.into_tensor_arg(),
                 o.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
-                scale,
+                scale_log2,
                 rescale_slack,
                 seq as u32,
                 group as u32,
@@ -1650,7 +1666,7 @@ pub(super) fn launch_forward<R: CubeRuntime>(
                 v.into_tensor_arg(),
                 o.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
-                scale,
+                scale_log2,
                 rescale_slack,
                 seq as u32,
                 group as u32,
