@@ -935,9 +935,6 @@ fn exp2(x: f32) -> f32 {
 /// ln(2), to turn the forward's log2-unit maximum into the natural-log `lse`.
 const LN_2: f32 = std::f32::consts::LN_2;
 
-/// log2(e), to put the backward's scores and `lse` in log2 units for `exp2`.
-const LOG2_E: f32 = std::f32::consts::LOG2_E;
-
 /// One key block of the forward kernels for one warp's `16 * m_tiles` query rows (first row
 /// `row0`, row `wrow` of `qs`): `S = Q K^T`, the online softmax on the accumulators (the causal
 /// mask only on blocks that reach past the warp's first row, and only compiled in with
@@ -1946,8 +1943,6 @@ fn dkdv_block<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] causal_mask: bool,
 ) {
-    // `P = 2^(s * scale * log2(e) - lse * log2(e))`: see `exp2`.
-    let scale_log2 = scale * LOG2_E;
     // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys: rows are keys, columns
     // queries, in the accumulator layout.
     mma_abt_strip::<F, N>(
@@ -1978,7 +1973,7 @@ fn dkdv_block<F: Float, N: Size>(
                 }
                 let s_pair = s_frag[hh2];
                 let dp_pair = dp_frag[hh2];
-                let mut pe = exp2(s_pair[e] * scale_log2 - lse_q * LOG2_E);
+                let mut pe = (s_pair[e] * scale - lse_q).exp();
                 if comptime!(causal_mask) {
                     if masked && key > qi {
                         pe = f32::new(0.0);
@@ -2108,8 +2103,6 @@ fn dq_block<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] causal_mask: bool,
 ) {
-    // `P = 2^(s * scale * log2(e) - lse * log2(e))`: see `exp2`.
-    let scale_log2 = scale * LOG2_E;
     mma_abt_strip::<F, N>(
         qs, wrow, ks, krow0, s_acc, lane, 1usize, n_tiles, k_steps, ldt, nv,
     );
@@ -2133,7 +2126,7 @@ fn dq_block<F: Float, N: Size>(
             let dp_pair = dp_acc.index(nt)[hh];
             #[unroll]
             for e in 0..2usize {
-                let mut pe = exp2(s_pair[e] * scale_log2 - lse_v * LOG2_E);
+                let mut pe = (s_pair[e] * scale - lse_v).exp();
                 if comptime!(causal_mask) {
                     if masked {
                         let key = k0 + 8 * nt + c_lo + e;
