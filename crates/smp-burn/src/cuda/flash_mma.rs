@@ -491,12 +491,7 @@ pub fn deterministic() -> bool {
         return on;
     }
     static DETERMINISTIC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DETERMINISTIC.get_or_init(|| {
-        let value = std::env::var("SMP_BURN_DETERMINISTIC").unwrap_or_default();
-        parse_switch(&value).unwrap_or_else(|| {
-            panic!("SMP_BURN_DETERMINISTIC={value:?}: expected 1 / true or 0 / false")
-        })
-    })
+    *DETERMINISTIC.get_or_init(|| env_switch("SMP_BURN_DETERMINISTIC", false))
 }
 
 /// Whether the `cp.async` dK/dV kernel with fused dQ defers each block's `dQ = dS K` to the
@@ -509,12 +504,7 @@ pub fn deterministic() -> bool {
 /// If the variable holds anything but `1`, `0`, `true`, `false` or nothing.
 fn defer_fused_dq() -> bool {
     static DEFER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DEFER.get_or_init(|| match std::env::var("SMP_BURN_FLASH_DEFER_DQ") {
-        Err(_) => true,
-        Ok(value) => parse_switch(&value).unwrap_or_else(|| {
-            panic!("SMP_BURN_FLASH_DEFER_DQ={value:?}: expected 1 / true or 0 / false")
-        }),
-    })
+    *DEFER.get_or_init(|| env_switch("SMP_BURN_FLASH_DEFER_DQ", true))
 }
 
 /// How the forward rescales a warp's output accumulators (`O *= exp(m_old - m_new)`, 128
@@ -548,12 +538,7 @@ const DEFAULT_RESCALE_SLACK: f32 = 8.0;
 fn rescale_policy() -> RescalePolicy {
     static POLICY: std::sync::OnceLock<RescalePolicy> = std::sync::OnceLock::new();
     *POLICY.get_or_init(|| {
-        let skip = match std::env::var("SMP_BURN_FLASH_SKIP_RESCALE") {
-            Err(_) => true,
-            Ok(value) => parse_switch(&value).unwrap_or_else(|| {
-                panic!("SMP_BURN_FLASH_SKIP_RESCALE={value:?}: expected 1 / true or 0 / false")
-            }),
-        };
+        let skip = env_switch("SMP_BURN_FLASH_SKIP_RESCALE", true);
         let slack = match std::env::var("SMP_BURN_FLASH_RESCALE_SLACK") {
             Err(_) => DEFAULT_RESCALE_SLACK,
             Ok(value) => parse_slack(&value).unwrap_or_else(|| {
@@ -568,6 +553,19 @@ fn rescale_policy() -> RescalePolicy {
 fn parse_slack(value: &str) -> Option<f32> {
     let slack: f32 = value.trim().parse().ok()?;
     (0.0..=20.0).contains(&slack).then_some(slack)
+}
+
+/// The on/off environment variable `name` ([`parse_switch`]), `unset` where it is not set.
+///
+/// # Panics
+/// If it holds anything else, naming the variable and its value: a silent fallback would
+/// leave a run or a benchmark on the wrong kernel.
+fn env_switch(name: &str, unset: bool) -> bool {
+    match std::env::var(name) {
+        Err(_) => unset,
+        Ok(value) => parse_switch(&value)
+            .unwrap_or_else(|| panic!("{name}={value:?}: expected 1 / true or 0 / false")),
+    }
 }
 
 /// An on/off environment value: `1` / `true` on, `0` / `false` / empty off (any case,
