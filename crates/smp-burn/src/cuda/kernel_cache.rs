@@ -11,20 +11,33 @@ use cubecl::config::cache::CacheConfig;
 use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
 
 /// `$SMP_BURN_CACHE_DIR`, else `$XDG_CACHE_HOME/smp-burn/cubecl`, else
-/// `$HOME/.cache/smp-burn/cubecl`, else `.smp-burn-cache` in the working directory.
+/// `$HOME/.cache/smp-burn/cubecl`, else `.smp-burn-cache` in the working directory; inside it,
+/// one folder per build of smp-burn's sources ([`kernel_cache_build`]).
 pub fn kernel_cache_dir() -> PathBuf {
     let var = |k: &str| {
         std::env::var_os(k)
             .filter(|v| !v.is_empty())
             .map(PathBuf::from)
     };
-    if let Some(dir) = var("SMP_BURN_CACHE_DIR") {
-        return dir;
-    }
-    var("XDG_CACHE_HOME")
-        .or_else(|| var("HOME").map(|h| h.join(".cache")))
-        .map(|c| c.join("smp-burn").join("cubecl"))
+    var("SMP_BURN_CACHE_DIR")
+        .or_else(|| {
+            var("XDG_CACHE_HOME")
+                .or_else(|| var("HOME").map(|h| h.join(".cache")))
+                .map(|c| c.join("smp-burn").join("cubecl"))
+        })
         .unwrap_or_else(|| PathBuf::from(".smp-burn-cache"))
+        .join(kernel_cache_build())
+}
+
+/// The cache folder's name for this build: smp-burn's version and a fingerprint of its
+/// sources (`build.rs`). CubeCL keys cached PTX by a kernel's type name and settings, not its
+/// code, so without this a kernel changed by an edit or an upgrade would load its old PTX.
+pub fn kernel_cache_build() -> String {
+    format!(
+        "{}-{}",
+        env!("CARGO_PKG_VERSION"),
+        env!("SMP_BURN_SOURCE_FINGERPRINT")
+    )
 }
 
 /// A CubeCL configuration file in `start` or one of its parents, which CubeCL would read and
@@ -79,8 +92,22 @@ mod tests {
     #[test]
     fn cache_dir_is_under_a_cache_folder() {
         let dir = kernel_cache_dir();
+        assert_eq!(dir.file_name(), Some(kernel_cache_build().as_ref()));
+        let root = dir.parent().expect("the build folder has a parent");
         assert!(
-            dir.ends_with("smp-burn/cubecl") || std::env::var_os("SMP_BURN_CACHE_DIR").is_some()
+            root.ends_with("smp-burn/cubecl") || std::env::var_os("SMP_BURN_CACHE_DIR").is_some()
+        );
+    }
+
+    #[test]
+    fn cache_build_names_version_and_sources() {
+        let build = kernel_cache_build();
+        let (version, fingerprint) = build.rsplit_once('-').expect("version-fingerprint");
+        assert_eq!(version, env!("CARGO_PKG_VERSION"));
+        assert_eq!(fingerprint.len(), 16, "{build}");
+        assert!(
+            fingerprint.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{build}"
         );
     }
 }

@@ -27,7 +27,9 @@ pub mod fused;
 pub mod gemm;
 mod kernel_cache;
 pub mod xent;
-pub use kernel_cache::{configure_kernel_cache, kernel_cache_dir, user_cubecl_config};
+pub use kernel_cache::{
+    configure_kernel_cache, kernel_cache_build, kernel_cache_dir, user_cubecl_config,
+};
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};

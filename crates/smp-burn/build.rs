@@ -1,0 +1,48 @@
+//! Fingerprints the crate's sources for the kernel cache.
+//!
+//! CubeCL keys its on-disk PTX cache by a kernel's type name and launch settings, not by its
+//! code, and namespaces it by CubeCL's version only. A kernel edited in smp-burn (or changed by
+//! an upgrade) would load the PTX of its previous version from the cache: stale code, and with
+//! changed parameters, wrong memory accesses. `SMP_BURN_SOURCE_FINGERPRINT` names the cache
+//! folder after the sources instead (see `cuda::kernel_cache`).
+
+use std::path::{Path, PathBuf};
+
+fn collect(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            collect(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// 64-bit FNV-1a: stable across Rust versions and platforms, unlike std's hashers.
+fn fnv1a(hash: &mut u64, bytes: &[u8]) {
+    for b in bytes {
+        *hash ^= u64::from(*b);
+        *hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+}
+
+fn main() {
+    let src = Path::new("src");
+    println!("cargo:rerun-if-changed=src");
+    let mut files = Vec::new();
+    collect(src, &mut files);
+    files.sort();
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for file in &files {
+        let rel = file.strip_prefix(src).unwrap_or(file);
+        fnv1a(&mut hash, rel.to_string_lossy().as_bytes());
+        fnv1a(&mut hash, &[0]);
+        fnv1a(&mut hash, &std::fs::read(file).unwrap_or_default());
+        fnv1a(&mut hash, &[0]);
+    }
+    println!("cargo:rustc-env=SMP_BURN_SOURCE_FINGERPRINT={hash:016x}");
+}
