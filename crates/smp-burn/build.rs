@@ -4,7 +4,10 @@
 //! code, and namespaces it by CubeCL's version only. A kernel edited in smp-burn (or changed by
 //! an upgrade) would load the PTX of its previous version from the cache: stale code, and with
 //! changed parameters, wrong memory accesses. `SMP_BURN_SOURCE_FINGERPRINT` names the cache
-//! folder after the sources instead (see `cuda::kernel_cache`).
+//! folder after the sources instead (see `cuda::kernel_cache`), and after the workspace's
+//! `Cargo.lock` where there is one, so that a Burn upgrade under the same CubeCL version does
+//! not reuse Burn's old kernels either (a published smp-burn pins Burn exactly, so there its
+//! version covers that).
 
 use std::path::{Path, PathBuf};
 
@@ -43,6 +46,11 @@ fn main() {
         fnv1a(&mut hash, &[0]);
         fnv1a(&mut hash, &std::fs::read(file).unwrap_or_default());
         fnv1a(&mut hash, &[0]);
+    }
+    let lock = Path::new("../../Cargo.lock");
+    if lock.is_file() {
+        println!("cargo:rerun-if-changed=../../Cargo.lock");
+        fnv1a(&mut hash, &std::fs::read(lock).unwrap_or_default());
     }
     println!("cargo:rustc-env=SMP_BURN_SOURCE_FINGERPRINT={hash:016x}");
 }
