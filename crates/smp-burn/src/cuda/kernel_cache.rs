@@ -6,6 +6,7 @@
 //! unless the user configured CubeCL with a `cubecl.toml` / `burn.toml` of their own.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
 use cubecl::config::cache::CacheConfig;
 use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
@@ -65,6 +66,16 @@ pub fn configure_kernel_cache() -> Result<PathBuf, PathBuf> {
             let dir = kernel_cache_dir();
             // A cache that cannot be created only costs recompilation; CubeCL reports it.
             let _ = std::fs::create_dir_all(&dir);
+            mark_used(&dir);
+            let pruned = prune_stale_builds(&dir, STALE_BUILD_AGE);
+            if pruned > 0 {
+                tracing::info!(
+                    "removed {pruned} kernel cache folder(s) of other smp-burn builds unused for \
+                     {} days, beside {}",
+                    STALE_BUILD_AGE.as_secs() / 86_400,
+                    dir.display()
+                );
+            }
             let mut config = CubeClRuntimeConfig::default();
             config.compilation.cache = Some(CacheConfig::File(dir.clone()));
             config.autotune.cache = CacheConfig::File(dir.clone());
@@ -72,6 +83,61 @@ pub fn configure_kernel_cache() -> Result<PathBuf, PathBuf> {
             Ok(dir)
         })
         .clone()
+}
+
+/// How long another build's cache folder may go unused before [`configure_kernel_cache`]
+/// removes it: each edit or upgrade of smp-burn starts a new folder, and kernels of a build
+/// nobody has run for a month are not worth their disk space.
+const STALE_BUILD_AGE: Duration = Duration::from_secs(30 * 86_400);
+
+/// The file whose modification time says when a build folder was last used.
+const LAST_USED: &str = "last-used";
+
+/// Records that this build's cache folder is in use (see [`prune_stale_builds`]).
+fn mark_used(build_dir: &Path) {
+    let _ = std::fs::write(build_dir.join(LAST_USED), b"");
+}
+
+/// Whether `name` is a build folder's name as [`kernel_cache_build`] makes them: a version,
+/// `-`, and 16 hex digits. Nothing else in the cache folder is ever removed.
+fn is_build_folder_name(name: &str) -> bool {
+    name.rsplit_once('-').is_some_and(|(version, fingerprint)| {
+        version.starts_with(|c: char| c.is_ascii_digit())
+            && fingerprint.len() == 16
+            && fingerprint.bytes().all(|b| b.is_ascii_hexdigit())
+    })
+}
+
+/// Removes the build folders beside `build_dir` (other builds of smp-burn) whose last use is
+/// older than `max_age`, and returns how many it removed. Failures (a folder another process
+/// is removing, no permission) are skipped: they only cost disk space.
+fn prune_stale_builds(build_dir: &Path, max_age: Duration) -> usize {
+    let (Some(root), Some(own)) = (build_dir.parent(), build_dir.file_name()) else {
+        return 0;
+    };
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return 0;
+    };
+    let now = SystemTime::now();
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        if name == own || !path.is_dir() || !name.to_str().is_some_and(is_build_folder_name) {
+            continue;
+        }
+        let last_used = std::fs::metadata(path.join(LAST_USED))
+            .or_else(|_| entry.metadata())
+            .and_then(|m| m.modified());
+        let stale = last_used
+            .ok()
+            .and_then(|t| now.duration_since(t).ok())
+            .is_some_and(|age| age > max_age);
+        if stale && std::fs::remove_dir_all(&path).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
 }
 
 #[cfg(test)]
@@ -97,6 +163,50 @@ mod tests {
         assert!(
             root.ends_with("smp-burn/cubecl") || std::env::var_os("SMP_BURN_CACHE_DIR").is_some()
         );
+    }
+
+    #[test]
+    fn prunes_only_other_builds_unused_for_long() {
+        let root = std::env::temp_dir().join(format!("smp-cache-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let build = |name: &str, days_ago: u64| {
+            let dir = root.join(name);
+            std::fs::create_dir_all(dir.join("cuda")).unwrap();
+            mark_used(&dir);
+            let when = SystemTime::now() - Duration::from_secs(days_ago * 86_400);
+            std::fs::File::options()
+                .write(true)
+                .open(dir.join(LAST_USED))
+                .unwrap()
+                .set_modified(when)
+                .unwrap();
+            dir
+        };
+        let own = build("0.1.0-00000000000000aa", 90);
+        let stale = build("0.1.0-00000000000000bb", 31);
+        let recent = build("0.2.0-00000000000000cc", 2);
+        let not_ours = build("notes", 90);
+        assert_eq!(prune_stale_builds(&own, STALE_BUILD_AGE), 1);
+        assert!(
+            own.is_dir(),
+            "the running build's folder is kept, however old"
+        );
+        assert!(!stale.exists());
+        assert!(recent.is_dir());
+        assert!(
+            not_ours.is_dir(),
+            "only folders named like builds are removed"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn build_folder_names() {
+        assert!(is_build_folder_name(&kernel_cache_build()));
+        assert!(is_build_folder_name("0.1.0-rc.1-0123456789abcdef"));
+        assert!(!is_build_folder_name("cuda"));
+        assert!(!is_build_folder_name("0.1.0-0123"));
+        assert!(!is_build_folder_name("v-0123456789abcdef"));
     }
 
     #[test]
