@@ -923,10 +923,10 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
 
 /// `2^x` through `__powf(2, x)` (CubeCL has no `exp2`). The forward keeps its scores, maxima
 /// and slack in log2 units for it (the launch scales them by log2(e)), as FlashAttention does,
-/// and ran 5-6 % faster than with `exp` (session 13 call EP). Why is not settled: the PTX
-/// still holds `lg2.approx` (4 per kernel, outside the loop, so `log2(2)` is not folded) and
-/// as many `ex2.approx` as before; the likely difference is that the fast `__powf` expands to
-/// the flush-to-zero `ex2`, without `__expf`'s denormal fix-up (to be read in the PTX).
+/// and runs 4-5 % faster than with `exp` (session 14 call EU, deterministic builds). Why is not
+/// settled: the PTX holds as many `ex2.approx.f32` as with `exp`, none of them `.ftz` (call
+/// EQ), plus 4 `lg2.approx` outside the loop; the SASS of the two has not been compared. The
+/// backward's version gained nothing (call ES) and is not applied.
 #[cube]
 fn exp2(x: f32) -> f32 {
     f32::new(2.0).powf(x)
