@@ -334,6 +334,15 @@ pub struct MmaBwdTiling {
     /// `delta` by a warp-cooperative kernel (a few lanes per row, 16-byte loads, shuffle
     /// reduction; `launch_delta_wide`) instead of one thread per row.
     pub wide_delta: bool,
+    /// The dK/dV kernel tiles its warps as FlashAttention-2 does (the `-wg` suffix; with
+    /// [`MmaDq::Atomic`] and [`MmaBwdPipe::Async`] only): warp `w` computes the scores of 32 keys
+    /// (group `w / 2`) by half the block's queries (`w % 2`) and then dK/dV of the same 32 keys
+    /// by half the head dim, exchanging `P^T` and `dS^T` through shared memory, instead of 16
+    /// keys by all queries and all columns. Why: the per-warp layout reads every Q and dO tile
+    /// from shared memory twice per warp, and the kernel is bound by shared-memory bandwidth
+    /// (session 14, calls EV-EW); the grid needs about a fifth fewer shared loads per block at
+    /// the cost of a second cube barrier.
+    pub warp_grid: bool,
 }
 
 impl MmaBwdTiling {
@@ -372,7 +381,7 @@ impl MmaBwdTiling {
     /// Every supported backward tiling, for checks and benchmarks: the eight original ones,
     /// then the staging/delta variants (the riskier `cp.async` ones last, so that a failure
     /// there leaves the others' results printed).
-    pub const ALL: [MmaBwdTiling; 19] = [
+    pub const ALL: [MmaBwdTiling; 22] = [
         MmaBwdTiling::new(8, 64, MmaDq::Atomic),
         MmaBwdTiling::new(4, 64, MmaDq::Atomic),
         MmaBwdTiling::new(8, 32, MmaDq::Atomic),
@@ -392,6 +401,15 @@ impl MmaBwdTiling {
         MmaBwdTiling::new(8, 32, MmaDq::Atomic).with(MmaBwdPipe::Async, true),
         MmaBwdTiling::new(4, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true),
         MmaBwdTiling::new(8, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true),
+        MmaBwdTiling::new(4, 64, MmaDq::Atomic)
+            .with(MmaBwdPipe::Async, true)
+            .with_warp_grid(),
+        MmaBwdTiling::new(8, 32, MmaDq::Atomic)
+            .with(MmaBwdPipe::Async, true)
+            .with_warp_grid(),
+        MmaBwdTiling::new(8, 64, MmaDq::Atomic)
+            .with(MmaBwdPipe::Async, true)
+            .with_warp_grid(),
     ];
 
     const fn new(warps: usize, inner: usize, dq: MmaDq) -> Self {
@@ -401,6 +419,7 @@ impl MmaBwdTiling {
             dq,
             pipe: MmaBwdPipe::Sync,
             wide_delta: false,
+            warp_grid: false,
         }
     }
 
@@ -412,13 +431,21 @@ impl MmaBwdTiling {
         }
     }
 
+    const fn with_warp_grid(self) -> Self {
+        MmaBwdTiling {
+            warp_grid: true,
+            ..self
+        }
+    }
+
     /// Keys per cube of the dK/dV kernel.
     pub fn keys(&self) -> usize {
         16 * self.warps
     }
 
-    /// Parses `WARPSxINNER-DQ[-pf|-cp][-vd]` with DQ `atomic` or `split`, e.g. `8x64-atomic`
-    /// or `8x32-split-cp-vd`; `None` for anything not in [`MmaBwdTiling::ALL`].
+    /// Parses `WARPSxINNER-DQ[-pf|-cp][-vd][-wg]` with DQ `atomic` or `split`, e.g.
+    /// `8x64-atomic`, `8x32-split-cp-vd` or `8x64-atomic-cp-vd-wg`; `None` for anything not in
+    /// [`MmaBwdTiling::ALL`].
     pub fn parse(s: &str) -> Option<MmaBwdTiling> {
         let mut parts = s.trim().split('-');
         let (w, i) = parts.next()?.split_once('x')?;
@@ -437,6 +464,7 @@ impl MmaBwdTiling {
                     tiling.pipe = MmaBwdPipe::Async
                 }
                 "vd" if !tiling.wide_delta => tiling.wide_delta = true,
+                "wg" if !tiling.warp_grid => tiling.warp_grid = true,
                 _ => return None,
             }
         }
@@ -456,7 +484,8 @@ impl std::fmt::Display for MmaBwdTiling {
             MmaBwdPipe::Async => "-cp",
         };
         let delta = if self.wide_delta { "-vd" } else { "" };
-        write!(f, "{}x{}-{dq}{pipe}{delta}", self.warps, self.inner)
+        let grid = if self.warp_grid { "-wg" } else { "" };
+        write!(f, "{}x{}-{dq}{pipe}{delta}{grid}", self.warps, self.inner)
     }
 }
 
@@ -811,11 +840,12 @@ fn mma_pv_strip<F: Float, N: Size>(
     }
 }
 
-/// Writes one warp's `16 x 8 * n_tiles` block, held in accumulator order in `vals` (as `p` of
-/// [`mma_pv_strip`], `m_tiles = 1`), rounded to `F`, into rows `row0 ..` of a shared tile of
-/// element pairs with pitch `ld` elements: each lane stores its two adjacent columns as one
-/// 32-bit word (bank-conflict-free when `ld` is 8 modulo 16, as `inner + 8` is: the 8 rows of
-/// a store then start on banks 4 apart).
+/// Writes one warp's `16 * m_tiles x 8 * n_tiles` block, held in accumulator order in `vals`
+/// (as `p` of [`mma_pv_strip`]), rounded to `F`, into rows `row0 ..` of a shared tile of
+/// element pairs with pitch `ld` elements, from column `c_lo` on (the lane's accumulator column
+/// plus the block's first column): each lane stores its two adjacent columns as one 32-bit
+/// word (bank-conflict-free when `ld` is 8 modulo 16, as `inner + 8` is: the 8 rows of a store
+/// then start on banks 4 apart).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn store_acc_pairs<F: Float>(
@@ -827,6 +857,7 @@ fn store_acc_pairs<F: Float>(
     c_lo: usize,
     #[comptime] n_tiles: usize,
     #[comptime] ld: usize,
+    #[comptime] m_tiles: usize,
 ) {
     #[unroll]
     for hh in 0..2usize {
@@ -837,12 +868,15 @@ fn store_acc_pairs<F: Float>(
         // In pairs: `c_lo` and `ld` are even (see `ldsm_x4` for why the constant is split off).
         let base = ((row0 + r) * ld + c_lo) / 2;
         #[unroll]
-        for nt in 0..n_tiles {
-            let idx = comptime!((nt * 2 + hh) * 2);
-            let mut pair = Vector::<F, Const<2>>::empty();
-            pair[0] = F::cast_from(vals[idx]);
-            pair[1] = F::cast_from(vals[comptime!(idx + 1)]);
-            dst[base + comptime!(4 * nt)] = pair;
+        for mt in 0..m_tiles {
+            #[unroll]
+            for nt in 0..n_tiles {
+                let idx = comptime!(((mt * n_tiles + nt) * 2 + hh) * 2);
+                let mut pair = Vector::<F, Const<2>>::empty();
+                pair[0] = F::cast_from(vals[idx]);
+                pair[1] = F::cast_from(vals[comptime!(idx + 1)]);
+                dst[base + comptime!((16 * mt * ld + 8 * nt) / 2)] = pair;
+            }
         }
     }
 }
@@ -896,6 +930,67 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
                 comptime!(16 * kk * ldx + 16 * mt),
                 nvx,
                 true,
+            ));
+        }
+        #[unroll]
+        for np in 0..comptime!(n_tiles / 2) {
+            let b4 = ldsm_x4::<F, N>(b, b_base, comptime!(16 * kk * ldb + 16 * np), nvb, true);
+            let b_lo = frag_pair::<F>(&b4, 0usize);
+            let b_hi = frag_pair::<F>(&b4, 2usize);
+            #[unroll]
+            for mt in 0..m_tiles {
+                let af = a_frags.index(mt);
+                def.execute_inplace(af, &b_lo, acc.index_mut(comptime!(mt * n_tiles + 2 * np)));
+                def.execute_inplace(
+                    af,
+                    &b_hi,
+                    acc.index_mut(comptime!(mt * n_tiles + 2 * np + 1)),
+                );
+            }
+        }
+    }
+}
+
+/// `acc += A B` for one warp, where `A` is a row-major `[m][k]` shared tile of element pairs
+/// (pitch `lda`) whose rows `a_row0 .. a_row0 + 16 * m_tiles` the product takes, and `B` a
+/// row-major `[k][n]` tile (pitch `ldb`) read from row `b_row0` and column `b_col0` on; `k`
+/// runs over `16 * k_steps` columns of A and rows of B. Fragment `mt * n_tiles + nt` of `acc`
+/// receives rows `16 mt ..` and columns `b_col0 + 8 nt ..`. `n_tiles` must be even. The
+/// warp-grid dK/dV kernel forms `dV += P^T dO` and `dK += dS^T Q` this way from the `P^T` and
+/// `dS^T` tiles its warps share: A by plain `ldmatrix` (as in [`mma_abt_strip`]), B by
+/// transposed ones (as V in [`mma_pv_strip`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn mma_ab_acc<F: Float, NA: Size, N: Size>(
+    a: &SharedMemory<Vector<F, NA>>,
+    a_row0: usize,
+    b: &SharedMemory<Vector<F, N>>,
+    b_row0: usize,
+    b_col0: usize,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    lane: usize,
+    #[comptime] m_tiles: usize,
+    #[comptime] k_steps: usize,
+    #[comptime] n_tiles: usize,
+    #[comptime] lda: usize,
+    #[comptime] nva: usize,
+    #[comptime] ldb: usize,
+    #[comptime] nvb: usize,
+) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let a_base = (a_row0 + lane % 16) * lda + (lane / 16) * 8;
+    let b_base = (b_row0 + lane % 16) * ldb + b_col0 + (lane / 16) * 8;
+    #[unroll]
+    for kk in 0..k_steps {
+        let mut a_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        #[unroll]
+        for mt in 0..m_tiles {
+            a_frags.push(ldsm_x4::<F, NA>(
+                a,
+                a_base,
+                comptime!(16 * mt * lda + 16 * kk),
+                nva,
+                false,
             ));
         }
         #[unroll]
@@ -1995,7 +2090,8 @@ fn dkdv_block<F: Float, N: Size>(
 }
 
 /// Writes one warp's dK (times `scale`) and dV rows for keys `wk0 ..` (those before `seq`):
-/// each lane its two columns per d-tile of its two key rows.
+/// each lane its two columns per d-tile of its two key rows per m-tile, `d_tiles` d-tiles from
+/// column `col0` on.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_dkdv<F: Float>(
@@ -2009,30 +2105,35 @@ fn write_dkdv<F: Float>(
     r_lo: usize,
     r_hi: usize,
     c_lo: usize,
+    col0: usize,
     seq: usize,
     scale: f32,
     #[comptime] d_tiles: usize,
+    #[comptime] m_tiles: usize,
 ) {
     let dk_base = b * dk.stride(0) + hk * dk.stride(1);
     let dv_base = b * dv.stride(0) + hk * dv.stride(1);
     #[unroll]
-    for hh2 in 0..2usize {
-        let mut r = r_lo;
-        if hh2 == 1 {
-            r = r_hi;
-        }
-        let key = wk0 + r;
-        if key < seq {
-            let kr = dk_base + key * dk.stride(2) + c_lo;
-            let vr = dv_base + key * dv.stride(2) + c_lo;
-            #[unroll]
-            for dt in 0..d_tiles {
-                let kp = dk_acc.index(dt)[hh2];
-                let vp = dv_acc.index(dt)[hh2];
-                dk[kr + 8 * dt] = F::cast_from(kp[0] * scale);
-                dk[kr + 8 * dt + 1] = F::cast_from(kp[1] * scale);
-                dv[vr + 8 * dt] = F::cast_from(vp[0]);
-                dv[vr + 8 * dt + 1] = F::cast_from(vp[1]);
+    for mt in 0..m_tiles {
+        #[unroll]
+        for hh2 in 0..2usize {
+            let mut r = r_lo;
+            if hh2 == 1 {
+                r = r_hi;
+            }
+            let key = wk0 + 16 * mt + r;
+            if key < seq {
+                let kr = dk_base + key * dk.stride(2) + col0 + c_lo;
+                let vr = dv_base + key * dv.stride(2) + col0 + c_lo;
+                #[unroll]
+                for dt in 0..d_tiles {
+                    let kp = dk_acc.index(comptime!(mt * d_tiles + dt))[hh2];
+                    let vp = dv_acc.index(comptime!(mt * d_tiles + dt))[hh2];
+                    dk[kr + 8 * dt] = F::cast_from(kp[0] * scale);
+                    dk[kr + 8 * dt + 1] = F::cast_from(kp[1] * scale);
+                    dv[vr + 8 * dt] = F::cast_from(vp[0]);
+                    dv[vr + 8 * dt + 1] = F::cast_from(vp[1]);
+                }
             }
         }
     }
@@ -2459,7 +2560,8 @@ fn flash_bwd_dkdv_mma<F: Float, N: Size>(
     }
 
     write_dkdv::<F>(
-        dk, dv, &dk_acc, &dv_acc, b, hk, wk0, r_lo, r_hi, c_lo, seq, scale, d_tiles,
+        dk, dv, &dk_acc, &dv_acc, b, hk, wk0, r_lo, r_hi, c_lo, 0usize, seq, scale, d_tiles,
+        1usize,
     );
 }
 
@@ -2501,6 +2603,7 @@ fn fused_dq_block<F: Float, N: Size>(
         c_lo,
         comptime!(bq / 8),
         comptime!(bq + 8),
+        1usize,
     );
     sync_cube();
     fused_dq_apply::<F, N>(
@@ -2908,6 +3011,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 c_lo,
                 comptime!(bq / 8),
                 comptime!(bq + 8),
+                1usize,
             );
             owed_q0 = q0;
             owed_h = h;
@@ -2949,7 +3053,453 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     }
 
     write_dkdv::<F>(
-        dk, dv, &dk_acc, &dv_acc, b, hk, wk0, r_lo, r_hi, c_lo, seq, scale, d_tiles,
+        dk, dv, &dk_acc, &dv_acc, b, hk, wk0, r_lo, r_hi, c_lo, 0usize, seq, scale, d_tiles,
+        1usize,
+    );
+}
+
+/// The scores of one query block for one warp of the warp-grid dK/dV kernel
+/// ([`flash_bwd_dkdv_mma_grid`]): `S^T = K Q^T` and `dP^T = V dO^T` for its 32 keys (rows
+/// `krow ..` of `ks`/`vs`, first key `wk0`) by its `bq / 2` queries (columns `qcol ..` of the
+/// block, whose first query is `q0` and whose Q/dO rows start at row `qrow0` of `qs`/`dos`),
+/// then `P^T` and `dS^T` on the accumulators, stored to rows `krow ..`, columns `qcol ..` of
+/// the shared `pts` and `dss` tiles (pitch `bq + 8`) for the cube's products.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dkdv_grid_scores<F: Float, N: Size>(
+    ks: &SharedMemory<Vector<F, N>>,
+    vs: &SharedMemory<Vector<F, N>>,
+    qs: &SharedMemory<Vector<F, N>>,
+    dos: &SharedMemory<Vector<F, N>>,
+    lse_s: &SharedMemory<f32>,
+    delta_s: &SharedMemory<f32>,
+    pts: &mut SharedMemory<Vector<F, Const<2>>>,
+    dss: &mut SharedMemory<Vector<F, Const<2>>>,
+    qrow0: usize,
+    q0: usize,
+    krow: usize,
+    wk0: usize,
+    qcol: usize,
+    lane: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    scale: f32,
+    s_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    dp_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    p: &mut Array<f32>,
+    ds: &mut Array<f32>,
+    #[comptime] q_tiles: usize,
+    #[comptime] k_steps: usize,
+    #[comptime] ldt: usize,
+    #[comptime] nv: usize,
+    #[comptime] ldp: usize,
+    #[comptime] causal_mask: bool,
+) {
+    mma_abt_strip::<F, N>(
+        ks,
+        krow,
+        qs,
+        qrow0 + qcol,
+        s_acc,
+        lane,
+        2usize,
+        q_tiles,
+        k_steps,
+        ldt,
+        nv,
+    );
+    mma_abt_strip::<F, N>(
+        vs,
+        krow,
+        dos,
+        qrow0 + qcol,
+        dp_acc,
+        lane,
+        2usize,
+        q_tiles,
+        k_steps,
+        ldt,
+        nv,
+    );
+    #[unroll]
+    for nt in 0..q_tiles {
+        #[unroll]
+        for e in 0..2usize {
+            let ql = qcol + 8 * nt + c_lo + e;
+            let qi = q0 + ql;
+            let lse_q = lse_s[qrow0 + ql];
+            let delta_q = delta_s[qrow0 + ql];
+            #[unroll]
+            for mt in 0..2usize {
+                let s_frag = s_acc.index(comptime!(mt * q_tiles + nt));
+                let dp_frag = dp_acc.index(comptime!(mt * q_tiles + nt));
+                #[unroll]
+                for hh2 in 0..2usize {
+                    let mut key = wk0 + 16 * mt + r_lo;
+                    if hh2 == 1 {
+                        key = wk0 + 16 * mt + r_hi;
+                    }
+                    let s_pair = s_frag[hh2];
+                    let dp_pair = dp_frag[hh2];
+                    let mut pe = (s_pair[e] * scale - lse_q).exp();
+                    if comptime!(causal_mask) {
+                        if key > qi {
+                            pe = f32::new(0.0);
+                        }
+                    }
+                    let idx = comptime!(((mt * q_tiles + nt) * 2 + hh2) * 2 + e);
+                    p[idx] = pe;
+                    ds[idx] = pe * (dp_pair[e] - delta_q);
+                }
+            }
+        }
+    }
+    store_acc_pairs::<F>(
+        p,
+        pts,
+        krow,
+        r_lo,
+        r_hi,
+        qcol + c_lo,
+        q_tiles,
+        ldp,
+        2usize,
+    );
+    store_acc_pairs::<F>(
+        ds,
+        dss,
+        krow,
+        r_lo,
+        r_hi,
+        qcol + c_lo,
+        q_tiles,
+        ldp,
+        2usize,
+    );
+}
+
+/// dK and dV with FlashAttention-2's warp grid ([`MmaBwdTiling::warp_grid`]), `cp.async`
+/// double buffering of Q/dO/lse/delta as [`flash_bwd_dkdv_mma_cp`], and the fused dQ by
+/// atomics. Why: the per-warp layout of [`flash_bwd_dkdv_mma_cp`] (16 keys by all `bq`
+/// queries per warp) reads all of Q and dO from shared memory twice per warp, and that kernel
+/// is bound by shared-memory bandwidth (session 14 calls EV-EW: L1/TEX 80 %, tensor pipe 39 %).
+/// Here warp `w` owns key group `w / 2` (32 keys) and query half `w % 2` for the scores, and
+/// the same 32 keys by column half `w % 2` of dK and dV. The warps exchange `P^T` and `dS^T`
+/// through shared memory (`pts`, `dss`), which costs a second cube barrier per block: per
+/// block, barrier (Q/dO of this block visible, the previous block's reads done), issue the
+/// next block's copies, scores ([`dkdv_grid_scores`]), barrier, `dV += P^T dO` and
+/// `dK += dS^T Q` ([`mma_ab_acc`]), then the block's `dQ = dS K` ([`fused_dq_apply`]) from
+/// the same `dss`, which the next block rewrites only after its first barrier.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+// `if comptime!(..) { if runtime {..} }` stays nested (see `flash_bwd_dkdv_mma`).
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
+    scale: f32,
+    seq_len: u32,
+    group: u32,
+    #[comptime] d: usize,
+    #[comptime] nv: usize,
+    #[comptime] warps: usize,
+    #[comptime] bq: usize,
+    #[comptime] dq_mt: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bk = comptime!(16 * warps);
+    let nthreads = comptime!(32 * warps);
+    let ldt = comptime!(d + 8);
+    // Pitch of the P^T and dS^T tiles: 8 mod 16 elements, so stores and ldmatrix rows hit
+    // distinct banks (as the fused dQ's tile).
+    let ldp = comptime!(bq + 8);
+    // Query n-tiles of a warp's S^T (its half of the block's queries).
+    let q_tiles = comptime!(bq / 16);
+    // Column n-tiles of a warp's dK/dV (its half of the head dim).
+    let d_tiles = comptime!(d / 16);
+    let k_steps = comptime!(d / 16);
+    let bq_steps = comptime!(bq / 16);
+
+    let seq = seq_len as usize;
+    let hk = CUBE_POS_X as usize;
+    let kb = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let grp = group as usize;
+    let warp = UNIT_POS as usize / 32;
+    let lane = UNIT_POS_PLANE as usize;
+    let k0 = kb * bk;
+    let krow = (warp / 2) * 32;
+    let wk0 = k0 + krow;
+    let qcol = (warp % 2) * comptime!(bq / 2);
+    let col0 = (warp % 2) * comptime!(d / 2);
+
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
+    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
+    let r_lo = r_lo as usize;
+    let r_hi = r_hi as usize;
+    let c_lo = c_lo as usize;
+
+    let mut ks = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bk * ldt / nv), 128usize);
+    let mut vs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bk * ldt / nv), 128usize);
+    // Two halves of bq rows each.
+    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * bq * ldt / nv), 128usize);
+    let mut dos = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * bq * ldt / nv), 128usize);
+    let mut lse_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+    let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+    let mut pts =
+        SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * ldp / 2), 128usize);
+    let mut dss =
+        SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * ldp / 2), 128usize);
+
+    stage_tile::<F, N>(
+        k,
+        (b * k.stride(0) + hk * k.stride(1)) / nv,
+        k.stride(2) / nv,
+        k0,
+        seq,
+        &mut ks,
+        bk,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    stage_tile::<F, N>(
+        v,
+        (b * v.stride(0) + hk * v.stride(1)) / nv,
+        v.stride(2) / nv,
+        k0,
+        seq,
+        &mut vs,
+        bk,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    // One phase per block, as in `flash_bwd_dkdv_mma_cp`.
+    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+
+    let mut dk_acc = zero_frags(comptime!(2 * d_tiles));
+    let mut dv_acc = zero_frags(comptime!(2 * d_tiles));
+    let mut s_acc = zero_frags(comptime!(2 * q_tiles));
+    let mut dp_acc = zero_frags(comptime!(2 * q_tiles));
+    let mut p = Array::<f32>::new(comptime!(2 * q_tiles * 4));
+    let mut ds = Array::<f32>::new(comptime!(2 * q_tiles * 4));
+
+    let n_qb = (seq + bq - 1) / bq;
+    let qb_start = k0 / bq;
+    let n_blk = n_qb - qb_start;
+    let n_it = grp * n_blk;
+    let h_first = hk * grp;
+    copy_qdo_async::<F, N>(
+        q,
+        d_o,
+        lse,
+        delta,
+        &mut qs,
+        &mut dos,
+        &mut lse_s,
+        &mut delta_s,
+        b,
+        h_first,
+        qb_start * bq,
+        seq,
+        0usize,
+        bq,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    // Query block `blk` of head `h_first + h_off`, as counters (see `flash_bwd_dkdv_mma_cp`).
+    let mut blk = 0usize;
+    let mut h_off = 0usize;
+    for it in 0..n_it {
+        let q0 = (qb_start + blk) * bq;
+        let h = h_first + h_off;
+        let qrow0 = (it % 2) * bq;
+        bar.commit_copy_async();
+        bar.arrive_and_wait();
+        let mut next_blk = blk + 1;
+        let mut next_h_off = h_off;
+        if next_blk == n_blk {
+            next_blk = 0;
+            next_h_off += 1;
+        }
+        let nx = it + 1;
+        if nx < n_it {
+            copy_qdo_async::<F, N>(
+                q,
+                d_o,
+                lse,
+                delta,
+                &mut qs,
+                &mut dos,
+                &mut lse_s,
+                &mut delta_s,
+                b,
+                h_first + next_h_off,
+                (qb_start + next_blk) * bq,
+                seq,
+                bq - qrow0,
+                bq,
+                d,
+                ldt,
+                nv,
+                nthreads,
+            );
+        }
+        // The warp's first query; the mask only where one of its keys follows it.
+        let wq0 = q0 + qcol;
+        if wk0 + 32 <= wq0 + 1 {
+            dkdv_grid_scores::<F, N>(
+                &ks,
+                &vs,
+                &qs,
+                &dos,
+                &lse_s,
+                &delta_s,
+                &mut pts,
+                &mut dss,
+                qrow0,
+                q0,
+                krow,
+                wk0,
+                qcol,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                scale,
+                &mut s_acc,
+                &mut dp_acc,
+                &mut p,
+                &mut ds,
+                q_tiles,
+                k_steps,
+                ldt,
+                nv,
+                ldp,
+                false,
+            );
+        } else if wk0 < wq0 + comptime!(bq / 2) {
+            dkdv_grid_scores::<F, N>(
+                &ks,
+                &vs,
+                &qs,
+                &dos,
+                &lse_s,
+                &delta_s,
+                &mut pts,
+                &mut dss,
+                qrow0,
+                q0,
+                krow,
+                wk0,
+                qcol,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                scale,
+                &mut s_acc,
+                &mut dp_acc,
+                &mut p,
+                &mut ds,
+                q_tiles,
+                k_steps,
+                ldt,
+                nv,
+                ldp,
+                true,
+            );
+        } else {
+            // Every key follows every query of the warp's half: zero rows for the products
+            // of the other warps that read them.
+            #[unroll]
+            for i in 0..comptime!(2 * q_tiles * 4) {
+                p[i] = f32::new(0.0);
+            }
+            store_acc_pairs::<F>(
+                &p,
+                &mut pts,
+                krow,
+                r_lo,
+                r_hi,
+                qcol + c_lo,
+                q_tiles,
+                ldp,
+                2usize,
+            );
+            store_acc_pairs::<F>(
+                &p,
+                &mut dss,
+                krow,
+                r_lo,
+                r_hi,
+                qcol + c_lo,
+                q_tiles,
+                ldp,
+                2usize,
+            );
+        }
+        sync_cube();
+        // Skipped where every key of the group follows every query of the block (all of its
+        // P^T and dS^T rows are zero).
+        if wk0 < q0 + bq {
+            mma_ab_acc::<F, Const<2>, N>(
+                &pts,
+                krow,
+                &dos,
+                qrow0,
+                col0,
+                &mut dv_acc,
+                lane,
+                2usize,
+                bq_steps,
+                d_tiles,
+                ldp,
+                2usize,
+                ldt,
+                nv,
+            );
+            mma_ab_acc::<F, Const<2>, N>(
+                &dss,
+                krow,
+                &qs,
+                qrow0,
+                col0,
+                &mut dk_acc,
+                lane,
+                2usize,
+                bq_steps,
+                d_tiles,
+                ldp,
+                2usize,
+                ldt,
+                nv,
+            );
+        }
+        fused_dq_apply::<F, N>(
+            &dss, 0usize, &ks, dq_acc, b, h, q0, seq, warp, lane, r_lo, r_hi, c_lo, warps, bq,
+            d, ldt, nv, dq_mt,
+        );
+        blk = next_blk;
+        h_off = next_h_off;
+    }
+
+    write_dkdv::<F>(
+        dk, dv, &dk_acc, &dv_acc, b, hk, wk0, r_lo, r_hi, c_lo, col0, seq, scale, d_tiles,
+        2usize,
     );
 }
 
@@ -3584,7 +4134,36 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     // comptime-sized tiles (ldmatrix rows are 16-byte aligned: pitches of d + 8 and inner + 8
     // elements, columns multiples of 8). The cp.async copies are `2 * nv` bytes at
     // `nv`-aligned global offsets (`vector_width`) and 16-byte aligned shared rows.
-    if async_copy {
+    if async_copy && tiling.warp_grid && fused {
+        // SAFETY: as below; the P^T and dS^T tiles are indexed inside their comptime sizes
+        // (rows of the cube's keys, columns of one query block).
+        unsafe {
+            flash_bwd_dkdv_mma_grid::launch_unchecked::<R>(
+                &client,
+                count_kv,
+                dim,
+                nv,
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                d_o.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                dk.clone().into_tensor_arg(),
+                dv.clone().into_tensor_arg(),
+                dq_acc.clone().into_tensor_arg(),
+                scale,
+                seq as u32,
+                group as u32,
+                head_dim,
+                nv,
+                tiling.warps,
+                tiling.inner,
+                dq_m_tiles(tiling.warps, tiling.inner, head_dim),
+                dtype.into(),
+            );
+        }
+    } else if async_copy {
         // The fused dQ of the `cp.async` kernel runs one block late (`defer_fused_dq`).
         let defer_dq = fused && defer_fused_dq();
         unsafe {
@@ -3824,6 +4403,7 @@ fn mma_probe_kernel<F: Float, N: Size>(
         c_lo as usize,
         2usize,
         ldt,
+        1usize,
     );
     sync_cube();
     let mut t_acc = zero_frags(2usize);
@@ -3931,6 +4511,12 @@ mod tests {
         );
         assert_eq!(MmaBwdTiling::parse("8x64-atomic-vd-cp"), None);
         assert_eq!(MmaBwdTiling::parse("2x64-split"), None);
+        let grid = MmaBwdTiling::parse("8x64-atomic-cp-vd-wg").expect("listed");
+        assert!(grid.warp_grid && !fused.warp_grid);
+        assert_eq!(grid.to_string(), "8x64-atomic-cp-vd-wg");
+        // The warp grid exists only with the fused dQ and cp.async.
+        assert_eq!(MmaBwdTiling::parse("8x64-split-cp-vd-wg"), None);
+        assert_eq!(MmaBwdTiling::parse("8x64-atomic-wg"), None);
     }
 
     /// The slack bounds the stale-maximum probabilities by `exp(slack)`, so only values that
