@@ -3062,8 +3062,9 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
 /// ([`flash_bwd_dkdv_mma_grid`]): `S^T = K Q^T` and `dP^T = V dO^T` for its 32 keys (rows
 /// `krow ..` of `ks`/`vs`, first key `wk0`) by its `bq / 2` queries (columns `qcol ..` of the
 /// block, whose first query is `q0` and whose Q/dO rows start at row `qrow0` of `qs`/`dos`),
-/// then `P^T` and `dS^T` on the accumulators, stored to rows `krow ..`, columns `qcol ..` of
-/// the shared `pts` and `dss` tiles (pitch `bq + 8`) for the cube's products.
+/// then `P^T` and `dS^T` on the accumulators, stored to columns `qcol ..` of the shared `pts`
+/// (rows `krow ..`) and `dss` (rows `ds_row ..`) tiles (pitch `bq + 8`) for the cube's
+/// products.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dkdv_grid_scores<F: Float, N: Size>(
@@ -3078,6 +3079,7 @@ fn dkdv_grid_scores<F: Float, N: Size>(
     qrow0: usize,
     q0: usize,
     krow: usize,
+    ds_row: usize,
     wk0: usize,
     qcol: usize,
     lane: usize,
@@ -3169,7 +3171,7 @@ fn dkdv_grid_scores<F: Float, N: Size>(
     store_acc_pairs::<F>(
         ds,
         dss,
-        krow,
+        ds_row,
         r_lo,
         r_hi,
         qcol + c_lo,
@@ -3211,6 +3213,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] warps: usize,
     #[comptime] bq: usize,
+    #[comptime] defer_dq: bool,
     #[comptime] dq_mt: usize,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -3256,8 +3259,12 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
     let mut pts =
         SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * ldp / 2), 128usize);
-    let mut dss =
-        SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * ldp / 2), 128usize);
+    // Two dS^T tiles with `defer_dq`: block `i`'s is read by the dQ during block `i + 1`.
+    let dss_tiles = comptime!(if defer_dq { 2 } else { 1 });
+    let mut dss = SharedMemory::<Vector<F, Const<2>>>::new_aligned(
+        comptime!(dss_tiles * bk * ldp / 2),
+        128usize,
+    );
 
     stage_tile::<F, N>(
         k,
@@ -3287,6 +3294,14 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     );
     // One phase per block, as in `flash_bwd_dkdv_mma_cp`.
     let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    // With `defer_dq`, a block's dV/dK products wait only for the two warps that wrote their
+    // P^T and dS^T rows (one key group): one barrier per key group of 64 arrivals (the cube
+    // has two or four groups).
+    let kg = warp / 2;
+    let pair_bar0 = Barrier::shared(64u32, UNIT_POS == 0);
+    let pair_bar1 = Barrier::shared(64u32, UNIT_POS == 0);
+    let pair_bar2 = Barrier::shared(64u32, UNIT_POS == 0);
+    let pair_bar3 = Barrier::shared(64u32, UNIT_POS == 0);
 
     let mut dk_acc = zero_frags(comptime!(2 * d_tiles));
     let mut dv_acc = zero_frags(comptime!(2 * d_tiles));
@@ -3320,6 +3335,9 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
         nv,
         nthreads,
     );
+    // The block whose dQ is still owed (`defer_dq`): its first query and its head.
+    let mut owed_q0 = 0usize;
+    let mut owed_h = 0usize;
     // Query block `blk` of head `h_first + h_off`, as counters (see `flash_bwd_dkdv_mma_cp`).
     let mut blk = 0usize;
     let mut h_off = 0usize;
@@ -3358,6 +3376,34 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 nthreads,
             );
         }
+        let mut ds_row = krow;
+        if comptime!(defer_dq) {
+            ds_row += (it % 2) * bk;
+            // The previous block's dS^T, stored by every warp before this block's barrier.
+            if it > 0 {
+                fused_dq_apply::<F, N>(
+                    &dss,
+                    ((it + 1) % 2) * bk,
+                    &ks,
+                    dq_acc,
+                    b,
+                    owed_h,
+                    owed_q0,
+                    seq,
+                    warp,
+                    lane,
+                    r_lo,
+                    r_hi,
+                    c_lo,
+                    warps,
+                    bq,
+                    d,
+                    ldt,
+                    nv,
+                    dq_mt,
+                );
+            }
+        }
         // The warp's first query; the mask only where one of its keys follows it.
         let wq0 = q0 + qcol;
         if wk0 + 32 <= wq0 + 1 {
@@ -3373,6 +3419,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 qrow0,
                 q0,
                 krow,
+                ds_row,
                 wk0,
                 qcol,
                 lane,
@@ -3404,6 +3451,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 qrow0,
                 q0,
                 krow,
+                ds_row,
                 wk0,
                 qcol,
                 lane,
@@ -3443,7 +3491,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
             store_acc_pairs::<F>(
                 &p,
                 &mut dss,
-                krow,
+                ds_row,
                 r_lo,
                 r_hi,
                 qcol + c_lo,
@@ -3452,7 +3500,19 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 2usize,
             );
         }
-        sync_cube();
+        if comptime!(defer_dq) {
+            if kg == 0 {
+                pair_bar0.arrive_and_wait();
+            } else if kg == 1 {
+                pair_bar1.arrive_and_wait();
+            } else if kg == 2 {
+                pair_bar2.arrive_and_wait();
+            } else {
+                pair_bar3.arrive_and_wait();
+            }
+        } else {
+            sync_cube();
+        }
         // Skipped where every key of the group follows every query of the block (all of its
         // P^T and dS^T rows are zero).
         if wk0 < q0 + bq {
@@ -3474,7 +3534,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
             );
             mma_ab_acc::<F, Const<2>, N>(
                 &dss,
-                krow,
+                ds_row,
                 &qs,
                 qrow0,
                 col0,
@@ -3489,12 +3549,43 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 nv,
             );
         }
-        fused_dq_apply::<F, N>(
-            &dss, 0usize, &ks, dq_acc, b, h, q0, seq, warp, lane, r_lo, r_hi, c_lo, warps, bq,
-            d, ldt, nv, dq_mt,
-        );
+        if comptime!(defer_dq) {
+            owed_q0 = q0;
+            owed_h = h;
+        } else {
+            fused_dq_apply::<F, N>(
+                &dss, 0usize, &ks, dq_acc, b, h, q0, seq, warp, lane, r_lo, r_hi, c_lo, warps, bq,
+                d, ldt, nv, dq_mt,
+            );
+        }
         blk = next_blk;
         h_off = next_h_off;
+    }
+    if comptime!(defer_dq) {
+        if n_it > 0 {
+            sync_cube();
+            fused_dq_apply::<F, N>(
+                &dss,
+                ((n_it + 1) % 2) * bk,
+                &ks,
+                dq_acc,
+                b,
+                owed_h,
+                owed_q0,
+                seq,
+                warp,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                warps,
+                bq,
+                d,
+                ldt,
+                nv,
+                dq_mt,
+            );
+        }
     }
 
     write_dkdv::<F>(
@@ -4159,6 +4250,7 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 nv,
                 tiling.warps,
                 tiling.inner,
+                defer_fused_dq(),
                 dq_m_tiles(tiling.warps, tiling.inner, head_dim),
                 dtype.into(),
             );
