@@ -1878,9 +1878,14 @@ fn copy_tile_async<F: Float, N: Size>(
     }
 }
 
-/// Issues the asynchronous copies of the dK/dV kernel's query block at `q0` of head `h`: Q and
-/// dO rows into rows `qrow0 ..` of `qs` and `dos`, lse and delta into `lse_s[qrow0 ..]`,
+/// Issues the asynchronous copies of the dK/dV kernel's query block at `q0`: Q and dO rows
+/// into rows `qrow0 ..` of `qs` and `dos`, lse and delta into `lse_s[qrow0 ..]`,
 /// `delta_s[qrow0 ..]` (4-byte `cp.async`), with [`bwd_row_stats`]'s values past the end.
+/// `*_off` are the offsets of the head's row 0 and `*_rs` the row strides (in vectors for Q and
+/// dO, elements for lse and delta). Why the caller passes them: the warp-grid kernel reads
+/// them from scalar arguments (the constant bank), where a tensor's `stride()` is a load from
+/// CubeCL's metadata buffer in global memory, which the compiler, at the register limit,
+/// reissued inside the loop (call FB's SASS: about 18 `LDG` per block, each waited on).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_qdo_async<F: Float, N: Size>(
@@ -1892,8 +1897,14 @@ fn copy_qdo_async<F: Float, N: Size>(
     dos: &mut SharedMemory<Vector<F, N>>,
     lse_s: &mut SharedMemory<f32>,
     delta_s: &mut SharedMemory<f32>,
-    b: usize,
-    h: usize,
+    q_off: usize,
+    q_rs: usize,
+    do_off: usize,
+    do_rs: usize,
+    lse_off: usize,
+    lse_rs: usize,
+    delta_off: usize,
+    delta_rs: usize,
     q0: usize,
     seq: usize,
     qrow0: usize,
@@ -1903,33 +1914,9 @@ fn copy_qdo_async<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] nthreads: usize,
 ) {
+    copy_tile_async::<F, N>(q, q_off, q_rs, q0, seq, qs, qrow0, bq, d, ldt, nv, nthreads);
     copy_tile_async::<F, N>(
-        q,
-        (b * q.stride(0) + h * q.stride(1)) / nv,
-        q.stride(2) / nv,
-        q0,
-        seq,
-        qs,
-        qrow0,
-        bq,
-        d,
-        ldt,
-        nv,
-        nthreads,
-    );
-    copy_tile_async::<F, N>(
-        d_o,
-        (b * d_o.stride(0) + h * d_o.stride(1)) / nv,
-        d_o.stride(2) / nv,
-        q0,
-        seq,
-        dos,
-        qrow0,
-        bq,
-        d,
-        ldt,
-        nv,
-        nthreads,
+        d_o, do_off, do_rs, q0, seq, dos, qrow0, bq, d, ldt, nv, nthreads,
     );
     let t = UNIT_POS as usize;
     let one = comptime!(1u32);
@@ -1937,8 +1924,8 @@ fn copy_qdo_async<F: Float, N: Size>(
         let qi = q0 + t;
         let si = qrow0 + t;
         if qi < seq {
-            let li = b * lse.stride(0) + h * lse.stride(1) + qi * lse.stride(2);
-            let di = b * delta.stride(0) + h * delta.stride(1) + qi * delta.stride(2);
+            let li = lse_off + qi * lse_rs;
+            let di = delta_off + qi * delta_rs;
             copy_async::<f32>(
                 &lse.slice(li, li + 1),
                 &mut lse_s.slice_mut(si, si + 1),
@@ -2607,15 +2594,34 @@ fn fused_dq_block<F: Float, N: Size>(
     );
     sync_cube();
     fused_dq_apply::<F, N>(
-        dss, 0usize, ks, dq_acc, b, h, q0, seq, warp, lane, r_lo, r_hi, c_lo, warps, bq, d, ldt,
-        nv, 1usize,
+        dss,
+        0usize,
+        ks,
+        dq_acc,
+        b * dq_acc.stride(0) + h * dq_acc.stride(1),
+        dq_acc.stride(2),
+        q0,
+        seq,
+        warp,
+        lane,
+        r_lo,
+        r_hi,
+        c_lo,
+        warps,
+        bq,
+        d,
+        ldt,
+        nv,
+        1usize,
     );
 }
 
 /// The second half of [`fused_dq_block`]: each warp forms its `16 * mt x d / wpm` tile of `dQ =
 /// dS K` from the `dS^T` tile whose first key row is row `dss_row0` of `dss` (0, or `bk` for
 /// the second half of a double buffer), all of whose rows the caller has made visible with a
-/// cube barrier, and adds it to `dq_acc` with f32-pair atomics.
+/// cube barrier, and adds it to `dq_acc` with f32-pair atomics. `dq_off` is the offset of the
+/// head's row 0 in `dq_acc` and `dq_rs` its row stride, both in elements (passed in for the
+/// reason [`copy_qdo_async`] gives).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fused_dq_apply<F: Float, N: Size>(
@@ -2623,8 +2629,8 @@ fn fused_dq_apply<F: Float, N: Size>(
     dss_row0: usize,
     ks: &SharedMemory<Vector<F, N>>,
     dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
-    b: usize,
-    h: usize,
+    dq_off: usize,
+    dq_rs: usize,
     q0: usize,
     seq: usize,
     warp: usize,
@@ -2666,7 +2672,6 @@ fn fused_dq_apply<F: Float, N: Size>(
         ldt,
         nv,
     );
-    let dq_base = b * dq_acc.stride(0) + h * dq_acc.stride(1);
     #[unroll]
     for m in 0..mt {
         #[unroll]
@@ -2677,7 +2682,7 @@ fn fused_dq_apply<F: Float, N: Size>(
             }
             let row = q0 + 16 * mt * mq + 16 * m + r;
             if row < seq {
-                let rb = dq_base + row * dq_acc.stride(2) + c0 + c_lo;
+                let rb = dq_off + row * dq_rs + c0 + c_lo;
                 #[unroll]
                 for j in 0..comptime!(cw / 8) {
                     let pair = dq_frags.index(comptime!(m * (cw / 8) + j))[hh];
@@ -2850,8 +2855,14 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
         &mut dos,
         &mut lse_s,
         &mut delta_s,
-        b,
-        h_first,
+        (b * q.stride(0) + h_first * q.stride(1)) / nv,
+        q.stride(2) / nv,
+        (b * d_o.stride(0) + h_first * d_o.stride(1)) / nv,
+        d_o.stride(2) / nv,
+        b * lse.stride(0) + h_first * lse.stride(1),
+        lse.stride(2),
+        b * delta.stride(0) + h_first * delta.stride(1),
+        delta.stride(2),
         qb_start * bq,
         seq,
         0usize,
@@ -2892,8 +2903,14 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 &mut dos,
                 &mut lse_s,
                 &mut delta_s,
-                b,
-                h_first + next_h_off,
+                (b * q.stride(0) + (h_first + next_h_off) * q.stride(1)) / nv,
+                q.stride(2) / nv,
+                (b * d_o.stride(0) + (h_first + next_h_off) * d_o.stride(1)) / nv,
+                d_o.stride(2) / nv,
+                b * lse.stride(0) + (h_first + next_h_off) * lse.stride(1),
+                lse.stride(2),
+                b * delta.stride(0) + (h_first + next_h_off) * delta.stride(1),
+                delta.stride(2),
                 (qb_start + next_blk) * bq,
                 seq,
                 bq - qrow0,
@@ -2912,8 +2929,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                     ((it + 1) % 2) * bk,
                     &ks,
                     dq_acc,
-                    b,
-                    owed_h,
+                    b * dq_acc.stride(0) + owed_h * dq_acc.stride(1),
+                    dq_acc.stride(2),
                     owed_q0,
                     seq,
                     warp,
@@ -3033,8 +3050,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 ((n_it + 1) % 2) * bk,
                 &ks,
                 dq_acc,
-                b,
-                owed_h,
+                b * dq_acc.stride(0) + owed_h * dq_acc.stride(1),
+                dq_acc.stride(2),
                 owed_q0,
                 seq,
                 warp,
@@ -3209,6 +3226,21 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     scale: f32,
     seq_len: u32,
     group: u32,
+    q_batch_stride: u32,
+    q_head_stride: u32,
+    q_row_stride: u32,
+    do_batch_stride: u32,
+    do_head_stride: u32,
+    do_row_stride: u32,
+    lse_batch_stride: u32,
+    lse_head_stride: u32,
+    lse_row_stride: u32,
+    dl_batch_stride: u32,
+    dl_head_stride: u32,
+    dl_row_stride: u32,
+    dq_batch_stride: u32,
+    dq_head_stride: u32,
+    dq_row_stride: u32,
     #[comptime] d: usize,
     #[comptime] nv: usize,
     #[comptime] warps: usize,
@@ -3242,6 +3274,23 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     let wk0 = k0 + krow;
     let qcol = (warp % 2) * comptime!(bq / 2);
     let col0 = (warp % 2) * comptime!(d / 2);
+    // Strides in elements, from the constant bank (see `copy_qdo_async` for why not
+    // `stride()`).
+    let q_bs = q_batch_stride as usize;
+    let q_hs = q_head_stride as usize;
+    let q_rs = q_row_stride as usize;
+    let do_bs = do_batch_stride as usize;
+    let do_hs = do_head_stride as usize;
+    let do_rs = do_row_stride as usize;
+    let lse_bs = lse_batch_stride as usize;
+    let lse_hs = lse_head_stride as usize;
+    let lse_rs = lse_row_stride as usize;
+    let dl_bs = dl_batch_stride as usize;
+    let dl_hs = dl_head_stride as usize;
+    let dl_rs = dl_row_stride as usize;
+    let dq_bs = dq_batch_stride as usize;
+    let dq_hs = dq_head_stride as usize;
+    let dq_rs = dq_row_stride as usize;
 
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
@@ -3324,8 +3373,14 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
         &mut dos,
         &mut lse_s,
         &mut delta_s,
-        b,
-        h_first,
+        (b * q_bs + h_first * q_hs) / nv,
+        q_rs / nv,
+        (b * do_bs + h_first * do_hs) / nv,
+        do_rs / nv,
+        b * lse_bs + h_first * lse_hs,
+        lse_rs,
+        b * dl_bs + h_first * dl_hs,
+        dl_rs,
         qb_start * bq,
         seq,
         0usize,
@@ -3364,8 +3419,14 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 &mut dos,
                 &mut lse_s,
                 &mut delta_s,
-                b,
-                h_first + next_h_off,
+                (b * q_bs + (h_first + next_h_off) * q_hs) / nv,
+                q_rs / nv,
+                (b * do_bs + (h_first + next_h_off) * do_hs) / nv,
+                do_rs / nv,
+                b * lse_bs + (h_first + next_h_off) * lse_hs,
+                lse_rs,
+                b * dl_bs + (h_first + next_h_off) * dl_hs,
+                dl_rs,
                 (qb_start + next_blk) * bq,
                 seq,
                 bq - qrow0,
@@ -3386,8 +3447,8 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                     ((it + 1) % 2) * bk,
                     &ks,
                     dq_acc,
-                    b,
-                    owed_h,
+                    b * dq_bs + owed_h * dq_hs,
+                    dq_rs,
                     owed_q0,
                     seq,
                     warp,
@@ -3554,8 +3615,25 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
             owed_h = h;
         } else {
             fused_dq_apply::<F, N>(
-                &dss, 0usize, &ks, dq_acc, b, h, q0, seq, warp, lane, r_lo, r_hi, c_lo, warps, bq,
-                d, ldt, nv, dq_mt,
+                &dss,
+                0usize,
+                &ks,
+                dq_acc,
+                b * dq_bs + h * dq_hs,
+                dq_rs,
+                q0,
+                seq,
+                warp,
+                lane,
+                r_lo,
+                r_hi,
+                c_lo,
+                warps,
+                bq,
+                d,
+                ldt,
+                nv,
+                dq_mt,
             );
         }
         blk = next_blk;
@@ -3569,8 +3647,8 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 ((n_it + 1) % 2) * bk,
                 &ks,
                 dq_acc,
-                b,
-                owed_h,
+                b * dq_bs + owed_h * dq_hs,
+                dq_rs,
                 owed_q0,
                 seq,
                 warp,
@@ -4156,6 +4234,17 @@ fn flash_dq_convert<F: Float>(
 /// Threads per cube of [`flash_dq_convert`].
 const CONVERT_THREADS: usize = 256;
 
+/// Stride `dim` of `t` in elements, as a kernel's `u32` scalar argument.
+///
+/// # Panics
+/// If it does not fit (no tensor the flash kernels index with 32-bit offsets has one).
+fn stride_u32<R: CubeRuntime>(t: &CubeTensor<R>, dim: usize) -> u32 {
+    let stride = t.meta.strides()[dim];
+    u32::try_from(stride).unwrap_or_else(|_| {
+        panic!("flash attention backward (Mma): stride {stride} of dim {dim} exceeds u32")
+    })
+}
+
 /// Launches the Mma backward: writes `dq`, `dk`, `dv` (allocated by the caller in `layout`; the
 /// kernels write through their strides) from the forward's inputs, `d_o`, `lse` and
 /// `delta = rowsum(dO * O)`.
@@ -4246,6 +4335,21 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 scale,
                 seq as u32,
                 group as u32,
+                stride_u32(&q, 0),
+                stride_u32(&q, 1),
+                stride_u32(&q, 2),
+                stride_u32(&d_o, 0),
+                stride_u32(&d_o, 1),
+                stride_u32(&d_o, 2),
+                stride_u32(&lse, 0),
+                stride_u32(&lse, 1),
+                stride_u32(&lse, 2),
+                stride_u32(&delta, 0),
+                stride_u32(&delta, 1),
+                stride_u32(&delta, 2),
+                stride_u32(&dq_acc, 0),
+                stride_u32(&dq_acc, 1),
+                stride_u32(&dq_acc, 2),
                 head_dim,
                 nv,
                 tiling.warps,
