@@ -359,13 +359,16 @@ impl MmaBwdTiling {
 
     /// The default at head dim 128 and above (Llama 2 7B's) where the device adds f32 pairs
     /// atomically (sm_90): 8 warps (128 keys per cube), 64-query blocks, dQ fused by atomics
-    /// (5 products per block pair instead of 7), `cp.async`, the warp-cooperative delta.
-    /// Session 11 call DV: 203 / 241 TFLOP/s at S 4096 / 16384 (B 8 at 4096: 217) where
-    /// [`MmaBwdTiling::DEFAULT`] gives 196 / 211 (198); 7B steps 1.4 % faster. With the dQ
-    /// deferred by one block (session 12 call DY): 208-211 / 248 (B 8: 223). Not bitwise
-    /// reproducible (the order of dQ's f32 additions varies), as PyTorch's flash backward.
-    pub const DEFAULT_HD128: MmaBwdTiling =
-        MmaBwdTiling::new(8, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true);
+    /// (5 products per block pair instead of 7), `cp.async`, the warp-cooperative delta, and
+    /// FlashAttention-2's warp grid ([`MmaBwdTiling::warp_grid`]). Session 11 call DV (per-warp
+    /// layout): 203 / 241 TFLOP/s at S 4096 / 16384 (B 8 at 4096: 217) where
+    /// [`MmaBwdTiling::DEFAULT`] gives 196 / 211 (198). Session 15 call FC, B1 S 4096 / 16384:
+    /// 230-231 / 269-270 with the warp grid against 219-220 / 257 for the per-warp
+    /// `8x64-atomic-cp-vd` (B2 S 16384: 265-266 against 256-258). Not bitwise reproducible (the
+    /// order of dQ's f32 additions varies), as PyTorch's flash backward.
+    pub const DEFAULT_HD128: MmaBwdTiling = MmaBwdTiling::new(8, 64, MmaDq::Atomic)
+        .with(MmaBwdPipe::Async, true)
+        .with_warp_grid();
 
     /// The default for `head_dim` on a device that does (`pair_atomics`) or does not add f32
     /// pairs atomically: [`MmaBwdTiling::DEFAULT_HD128`] at 128 and above with pair atomics
@@ -3079,9 +3082,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
 /// ([`flash_bwd_dkdv_mma_grid`]): `S^T = K Q^T` and `dP^T = V dO^T` for its 32 keys (rows
 /// `krow ..` of `ks`/`vs`, first key `wk0`) by its `bq / 2` queries (columns `qcol ..` of the
 /// block, whose first query is `q0` and whose Q/dO rows start at row `qrow0` of `qs`/`dos`),
-/// then `P^T` and `dS^T` on the accumulators, stored to columns `qcol ..` of the shared `pts`
-/// (rows `krow ..`) and `dss` (rows `ds_row ..`) tiles (pitch `bq + 8`) for the cube's
-/// products.
+/// then `P^T` and `dS^T` on the accumulators, stored to rows `krow ..`, columns `qcol ..` of
+/// the shared `pts` and `dss` tiles (pitch `bq + 8`) for the cube's products.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dkdv_grid_scores<F: Float, N: Size>(
@@ -3096,7 +3098,6 @@ fn dkdv_grid_scores<F: Float, N: Size>(
     qrow0: usize,
     q0: usize,
     krow: usize,
-    ds_row: usize,
     wk0: usize,
     qcol: usize,
     lane: usize,
@@ -3188,7 +3189,7 @@ fn dkdv_grid_scores<F: Float, N: Size>(
     store_acc_pairs::<F>(
         ds,
         dss,
-        ds_row,
+        krow,
         r_lo,
         r_hi,
         qcol + c_lo,
@@ -3209,7 +3210,11 @@ fn dkdv_grid_scores<F: Float, N: Size>(
 /// block, barrier (Q/dO of this block visible, the previous block's reads done), issue the
 /// next block's copies, scores ([`dkdv_grid_scores`]), barrier, `dV += P^T dO` and
 /// `dK += dS^T Q` ([`mma_ab_acc`]), then the block's `dQ = dS K` ([`fused_dq_apply`]) from
-/// the same `dss`, which the next block rewrites only after its first barrier.
+/// the same `dss`, which the next block rewrites only after its first barrier. Session 15
+/// (calls FA, FC): deferring the dQ by a block, so that the products wait only for their key
+/// group's two warps (an mbarrier per group) instead of the second cube barrier, ran 2-4 %
+/// slower; the strides come as scalars (call FC: no change in speed, one less global load per
+/// stride and block).
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 // `if comptime!(..) { if runtime {..} }` stays nested (see `flash_bwd_dkdv_mma`).
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
@@ -3245,7 +3250,6 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] warps: usize,
     #[comptime] bq: usize,
-    #[comptime] defer_dq: bool,
     #[comptime] dq_mt: usize,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -3308,12 +3312,8 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
     let mut pts =
         SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * ldp / 2), 128usize);
-    // Two dS^T tiles with `defer_dq`: block `i`'s is read by the dQ during block `i + 1`.
-    let dss_tiles = comptime!(if defer_dq { 2 } else { 1 });
-    let mut dss = SharedMemory::<Vector<F, Const<2>>>::new_aligned(
-        comptime!(dss_tiles * bk * ldp / 2),
-        128usize,
-    );
+    let mut dss =
+        SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * ldp / 2), 128usize);
 
     stage_tile::<F, N>(
         k,
@@ -3343,14 +3343,6 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     );
     // One phase per block, as in `flash_bwd_dkdv_mma_cp`.
     let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    // With `defer_dq`, a block's dV/dK products wait only for the two warps that wrote their
-    // P^T and dS^T rows (one key group): one barrier per key group of 64 arrivals (the cube
-    // has two or four groups).
-    let kg = warp / 2;
-    let pair_bar0 = Barrier::shared(64u32, UNIT_POS == 0);
-    let pair_bar1 = Barrier::shared(64u32, UNIT_POS == 0);
-    let pair_bar2 = Barrier::shared(64u32, UNIT_POS == 0);
-    let pair_bar3 = Barrier::shared(64u32, UNIT_POS == 0);
 
     let mut dk_acc = zero_frags(comptime!(2 * d_tiles));
     let mut dv_acc = zero_frags(comptime!(2 * d_tiles));
@@ -3390,9 +3382,6 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
         nv,
         nthreads,
     );
-    // The block whose dQ is still owed (`defer_dq`): its first query and its head.
-    let mut owed_q0 = 0usize;
-    let mut owed_h = 0usize;
     // Query block `blk` of head `h_first + h_off`, as counters (see `flash_bwd_dkdv_mma_cp`).
     let mut blk = 0usize;
     let mut h_off = 0usize;
@@ -3437,34 +3426,6 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 nthreads,
             );
         }
-        let mut ds_row = krow;
-        if comptime!(defer_dq) {
-            ds_row += (it % 2) * bk;
-            // The previous block's dS^T, stored by every warp before this block's barrier.
-            if it > 0 {
-                fused_dq_apply::<F, N>(
-                    &dss,
-                    ((it + 1) % 2) * bk,
-                    &ks,
-                    dq_acc,
-                    b * dq_bs + owed_h * dq_hs,
-                    dq_rs,
-                    owed_q0,
-                    seq,
-                    warp,
-                    lane,
-                    r_lo,
-                    r_hi,
-                    c_lo,
-                    warps,
-                    bq,
-                    d,
-                    ldt,
-                    nv,
-                    dq_mt,
-                );
-            }
-        }
         // The warp's first query; the mask only where one of its keys follows it.
         let wq0 = q0 + qcol;
         if wk0 + 32 <= wq0 + 1 {
@@ -3480,7 +3441,6 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 qrow0,
                 q0,
                 krow,
-                ds_row,
                 wk0,
                 qcol,
                 lane,
@@ -3512,7 +3472,6 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 qrow0,
                 q0,
                 krow,
-                ds_row,
                 wk0,
                 qcol,
                 lane,
@@ -3552,7 +3511,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
             store_acc_pairs::<F>(
                 &p,
                 &mut dss,
-                ds_row,
+                krow,
                 r_lo,
                 r_hi,
                 qcol + c_lo,
@@ -3561,19 +3520,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 2usize,
             );
         }
-        if comptime!(defer_dq) {
-            if kg == 0 {
-                pair_bar0.arrive_and_wait();
-            } else if kg == 1 {
-                pair_bar1.arrive_and_wait();
-            } else if kg == 2 {
-                pair_bar2.arrive_and_wait();
-            } else {
-                pair_bar3.arrive_and_wait();
-            }
-        } else {
-            sync_cube();
-        }
+        sync_cube();
         // Skipped where every key of the group follows every query of the block (all of its
         // P^T and dS^T rows are zero).
         if wk0 < q0 + bq {
@@ -3595,7 +3542,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
             );
             mma_ab_acc::<F, Const<2>, N>(
                 &dss,
-                ds_row,
+                krow,
                 &qs,
                 qrow0,
                 col0,
@@ -3610,60 +3557,29 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 nv,
             );
         }
-        if comptime!(defer_dq) {
-            owed_q0 = q0;
-            owed_h = h;
-        } else {
-            fused_dq_apply::<F, N>(
-                &dss,
-                0usize,
-                &ks,
-                dq_acc,
-                b * dq_bs + h * dq_hs,
-                dq_rs,
-                q0,
-                seq,
-                warp,
-                lane,
-                r_lo,
-                r_hi,
-                c_lo,
-                warps,
-                bq,
-                d,
-                ldt,
-                nv,
-                dq_mt,
-            );
-        }
+        fused_dq_apply::<F, N>(
+            &dss,
+            0usize,
+            &ks,
+            dq_acc,
+            b * dq_bs + h * dq_hs,
+            dq_rs,
+            q0,
+            seq,
+            warp,
+            lane,
+            r_lo,
+            r_hi,
+            c_lo,
+            warps,
+            bq,
+            d,
+            ldt,
+            nv,
+            dq_mt,
+        );
         blk = next_blk;
         h_off = next_h_off;
-    }
-    if comptime!(defer_dq) {
-        if n_it > 0 {
-            sync_cube();
-            fused_dq_apply::<F, N>(
-                &dss,
-                ((n_it + 1) % 2) * bk,
-                &ks,
-                dq_acc,
-                b * dq_bs + owed_h * dq_hs,
-                dq_rs,
-                owed_q0,
-                seq,
-                warp,
-                lane,
-                r_lo,
-                r_hi,
-                c_lo,
-                warps,
-                bq,
-                d,
-                ldt,
-                nv,
-                dq_mt,
-            );
-        }
     }
 
     write_dkdv::<F>(
@@ -4354,7 +4270,6 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 nv,
                 tiling.warps,
                 tiling.inner,
-                defer_fused_dq(),
                 dq_m_tiles(tiling.warps, tiling.inner, head_dim),
                 dtype.into(),
             );
