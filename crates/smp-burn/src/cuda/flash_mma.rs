@@ -370,12 +370,25 @@ impl MmaBwdTiling {
         .with(MmaBwdPipe::Async, true)
         .with_warp_grid();
 
+    /// The default at head dim 64 (the 1b preset's) where the device adds f32 pairs atomically:
+    /// the per-warp `8x64-atomic-cp-vd` (dQ fused by atomics, deferred by a block). Session 15
+    /// call FD: backward 185 / 228 TFLOP/s at B1 S 4096 / 16384 (B2 S 16384: 230) where the
+    /// split [`MmaBwdTiling::DEFAULT`] gives 182 / 202 (202) and the warp grid 186 / 220 (222);
+    /// the 1b preset 1.9 % faster end to end (48,551 against 47,643 tok/s).
+    pub const DEFAULT_HD64: MmaBwdTiling =
+        MmaBwdTiling::new(8, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true);
+
     /// The default for `head_dim` on a device that does (`pair_atomics`) or does not add f32
-    /// pairs atomically: [`MmaBwdTiling::DEFAULT_HD128`] at 128 and above with pair atomics
-    /// unless `SMP_BURN_DETERMINISTIC=1`, else [`MmaBwdTiling::DEFAULT`].
+    /// pairs atomically: with pair atomics and unless `SMP_BURN_DETERMINISTIC=1`,
+    /// [`MmaBwdTiling::DEFAULT_HD128`] at 128 and above and [`MmaBwdTiling::DEFAULT_HD64`] at
+    /// 64; else [`MmaBwdTiling::DEFAULT`].
     pub fn default_for(head_dim: usize, pair_atomics: bool) -> MmaBwdTiling {
-        if head_dim >= 128 && pair_atomics && !deterministic() {
+        if !pair_atomics || deterministic() {
+            Self::DEFAULT
+        } else if head_dim >= 128 {
             Self::DEFAULT_HD128
+        } else if head_dim == 64 {
+            Self::DEFAULT_HD64
         } else {
             Self::DEFAULT
         }
@@ -2596,7 +2609,7 @@ fn fused_dq_block<F: Float, N: Size>(
         1usize,
     );
     sync_cube();
-    fused_dq_apply::<F, N>(
+    fused_dq_apply::<F, N, Const<2>>(
         dss,
         0usize,
         ks,
@@ -2616,6 +2629,7 @@ fn fused_dq_block<F: Float, N: Size>(
         ldt,
         nv,
         1usize,
+        false,
     );
 }
 
@@ -2627,11 +2641,11 @@ fn fused_dq_block<F: Float, N: Size>(
 /// reason [`copy_qdo_async`] gives).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn fused_dq_apply<F: Float, N: Size>(
+fn fused_dq_apply<F: Float, N: Size, NA: Size>(
     dss: &SharedMemory<Vector<F, Const<2>>>,
     dss_row0: usize,
     ks: &SharedMemory<Vector<F, N>>,
-    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, NA>>>,
     dq_off: usize,
     dq_rs: usize,
     q0: usize,
@@ -2647,6 +2661,7 @@ fn fused_dq_apply<F: Float, N: Size>(
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
     #[comptime] mt: usize,
+    #[comptime] quads: bool,
 ) {
     // Pitch of the dS^T tile (elements): 8 mod 16, so stores and ldmatrix rows hit distinct
     // banks.
@@ -2675,24 +2690,65 @@ fn fused_dq_apply<F: Float, N: Size>(
         ldt,
         nv,
     );
-    #[unroll]
-    for m in 0..mt {
+    if comptime!(quads) {
+        // 16-byte atomics: lanes `l` and `l ^ 1` hold the same rows, columns `c_lo, c_lo + 1`
+        // and `c_lo + 2, c_lo + 3` (or the other way round) of each n-tile; each sends the
+        // partner the pair of the row it does not add, so that the even lane adds four columns
+        // of row `r_lo` and the odd lane four of row `r_hi`. Half the atomics of the pairs
+        // below, for two shuffles per n-tile: call FD's ncu put 11 % of the warp-grid kernel's
+        // stall samples on registers the pair atomics had not released yet.
+        let odd = lane % 2 == 1;
+        let mut r = r_lo;
+        let mut col = c_lo;
+        if odd {
+            r = r_hi;
+            col = c_lo - 2;
+        }
         #[unroll]
-        for hh in 0..2usize {
-            let mut r = r_lo;
-            if hh == 1 {
-                r = r_hi;
-            }
+        for m in 0..mt {
             let row = q0 + 16 * mt * mq + 16 * m + r;
-            if row < seq {
-                let rb = dq_off + row * dq_rs + c0 + c_lo;
-                #[unroll]
-                for j in 0..comptime!(cw / 8) {
-                    let pair = dq_frags.index(comptime!(m * (cw / 8) + j))[hh];
-                    // One 8-byte atomic per column pair (sm_90 adds f32 pairs natively): half
-                    // the atomics of two scalar adds. `rb` is even (even `c0 + c_lo`, even
-                    // strides).
-                    dq_acc[(rb + 8 * j) / 2].fetch_add(pair);
+            let rb = dq_off + row * dq_rs + c0 + col;
+            #[unroll]
+            for j in 0..comptime!(cw / 8) {
+                let frag = dq_frags.index(comptime!(m * (cw / 8) + j));
+                let lo = frag[0];
+                let hi = frag[1];
+                let got0 = plane_shuffle_xor(select(odd, lo[0], hi[0]), 1u32);
+                let got1 = plane_shuffle_xor(select(odd, lo[1], hi[1]), 1u32);
+                let mut quad = Vector::<f32, NA>::empty();
+                quad[0] = select(odd, got0, lo[0]);
+                quad[1] = select(odd, got1, lo[1]);
+                quad[2] = select(odd, hi[0], got0);
+                quad[3] = select(odd, hi[1], got1);
+                // `rb` is a multiple of 4: `c0`, `col` and the strides are.
+                if row < seq {
+                    dq_acc[(rb + 8 * j) / 4].fetch_add(quad);
+                }
+            }
+        }
+    } else {
+        #[unroll]
+        for m in 0..mt {
+            #[unroll]
+            for hh in 0..2usize {
+                let mut r = r_lo;
+                if hh == 1 {
+                    r = r_hi;
+                }
+                let row = q0 + 16 * mt * mq + 16 * m + r;
+                if row < seq {
+                    let rb = dq_off + row * dq_rs + c0 + c_lo;
+                    #[unroll]
+                    for j in 0..comptime!(cw / 8) {
+                        let frag = dq_frags.index(comptime!(m * (cw / 8) + j))[hh];
+                        let mut pair = Vector::<f32, NA>::empty();
+                        pair[0] = frag[0];
+                        pair[1] = frag[1];
+                        // One 8-byte atomic per column pair (sm_90 adds f32 pairs natively):
+                        // half the atomics of two scalar adds. `rb` is even (even `c0 + c_lo`,
+                        // even strides).
+                        dq_acc[(rb + 8 * j) / 2].fetch_add(pair);
+                    }
                 }
             }
         }
@@ -2927,7 +2983,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
         if comptime!(fused && defer_dq) {
             // The previous block's dS^T, stored by every warp before this block's barrier.
             if it > 0 {
-                fused_dq_apply::<F, N>(
+                fused_dq_apply::<F, N, Const<2>>(
                     &dss,
                     ((it + 1) % 2) * bk,
                     &ks,
@@ -2947,6 +3003,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                     ldt,
                     nv,
                     dq_mt,
+                    false,
                 );
             }
         }
@@ -3048,7 +3105,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     if comptime!(fused && defer_dq) {
         if n_it > 0 {
             sync_cube();
-            fused_dq_apply::<F, N>(
+            fused_dq_apply::<F, N, Const<2>>(
                 &dss,
                 ((n_it + 1) % 2) * bk,
                 &ks,
@@ -3068,6 +3125,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 ldt,
                 nv,
                 dq_mt,
+                false,
             );
         }
     }
@@ -3227,7 +3285,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
-    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<4>>>>,
     scale: f32,
     seq_len: u32,
     group: u32,
@@ -3557,7 +3615,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 nv,
             );
         }
-        fused_dq_apply::<F, N>(
+        fused_dq_apply::<F, N, Const<4>>(
             &dss,
             0usize,
             &ks,
@@ -3577,6 +3635,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
             ldt,
             nv,
             dq_mt,
+            true,
         );
         blk = next_blk;
         h_off = next_h_off;
@@ -4120,13 +4179,18 @@ pub fn mma_async_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
 /// Whether the device adds pairs of f32 atomically in global memory (CUDA sm_90 and later), as
 /// the [`MmaDq::Atomic`] tilings do.
 pub fn pair_atomics_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
-    let pair = cubecl::ir::Type::new(cubecl::ir::StorageType::Atomic(ElemType::Float(
+    f32_vector_atomics_supported(client, 2)
+}
+
+/// Whether the device adds vectors of `width` f32 atomically (pairs and quads: sm_90).
+fn f32_vector_atomics_supported<R: CubeRuntime>(client: &ComputeClient<R>, width: usize) -> bool {
+    let vector = cubecl::ir::Type::new(cubecl::ir::StorageType::Atomic(ElemType::Float(
         FloatKind::F32,
     )))
-    .with_vector_size(2);
+    .with_vector_size(width);
     client
         .properties()
-        .atomic_type_usage(pair)
+        .atomic_type_usage(vector)
         .contains(cubecl::ir::features::AtomicUsage::Add)
 }
 
@@ -4231,6 +4295,17 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     // elements, columns multiples of 8). The cp.async copies are `2 * nv` bytes at
     // `nv`-aligned global offsets (`vector_width`) and 16-byte aligned shared rows.
     if async_copy && tiling.warp_grid && fused {
+        assert!(
+            f32_vector_atomics_supported(&client, 4),
+            "flash attention backward (Mma): {tiling} adds dQ in f32 quads atomically, which \
+             needs sm_90 or later; use a tiling without -wg"
+        );
+        let dq_strides = dq_acc.meta.strides();
+        assert!(
+            dq_strides[..3].iter().all(|s| s.is_multiple_of(4)),
+            "flash attention backward (Mma): {tiling} needs dQ strides in multiples of 4 \
+             elements, got {dq_strides:?}"
+        );
         // SAFETY: as below; the P^T and dS^T tiles are indexed inside their comptime sizes
         // (rows of the cube's keys, columns of one query block).
         unsafe {
@@ -4672,7 +4747,12 @@ mod tests {
         );
         assert_eq!(MmaBwdTiling::DEFAULT_HD128.dq, MmaDq::Atomic);
         assert_eq!(MmaBwdTiling::default_for(128, false), MmaBwdTiling::DEFAULT);
-        assert_eq!(MmaBwdTiling::default_for(64, true), MmaBwdTiling::DEFAULT);
+        assert_eq!(
+            MmaBwdTiling::default_for(64, true),
+            MmaBwdTiling::DEFAULT_HD64
+        );
+        assert_eq!(MmaBwdTiling::default_for(64, false), MmaBwdTiling::DEFAULT);
+        assert_eq!(MmaBwdTiling::default_for(96, true), MmaBwdTiling::DEFAULT);
         assert_eq!(MmaBwdTiling::DEFAULT.dq, MmaDq::Split);
         for (value, parsed) in [
             ("1", Some(true)),
