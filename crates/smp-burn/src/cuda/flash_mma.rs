@@ -2609,7 +2609,7 @@ fn fused_dq_block<F: Float, N: Size>(
         1usize,
     );
     sync_cube();
-    fused_dq_apply::<F, N, Const<2>>(
+    fused_dq_apply::<F, N>(
         dss,
         0usize,
         ks,
@@ -2629,7 +2629,6 @@ fn fused_dq_block<F: Float, N: Size>(
         ldt,
         nv,
         1usize,
-        false,
     );
 }
 
@@ -2641,11 +2640,11 @@ fn fused_dq_block<F: Float, N: Size>(
 /// reason [`copy_qdo_async`] gives).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn fused_dq_apply<F: Float, N: Size, NA: Size>(
+fn fused_dq_apply<F: Float, N: Size>(
     dss: &SharedMemory<Vector<F, Const<2>>>,
     dss_row0: usize,
     ks: &SharedMemory<Vector<F, N>>,
-    dq_acc: &mut Tensor<Atomic<Vector<f32, NA>>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
     dq_off: usize,
     dq_rs: usize,
     q0: usize,
@@ -2661,7 +2660,6 @@ fn fused_dq_apply<F: Float, N: Size, NA: Size>(
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
     #[comptime] mt: usize,
-    #[comptime] quads: bool,
 ) {
     // Pitch of the dS^T tile (elements): 8 mod 16, so stores and ldmatrix rows hit distinct
     // banks.
@@ -2690,65 +2688,24 @@ fn fused_dq_apply<F: Float, N: Size, NA: Size>(
         ldt,
         nv,
     );
-    if comptime!(quads) {
-        // 16-byte atomics: lanes `l` and `l ^ 1` hold the same rows, columns `c_lo, c_lo + 1`
-        // and `c_lo + 2, c_lo + 3` (or the other way round) of each n-tile; each sends the
-        // partner the pair of the row it does not add, so that the even lane adds four columns
-        // of row `r_lo` and the odd lane four of row `r_hi`. Half the atomics of the pairs
-        // below, for two shuffles per n-tile: call FD's ncu put 11 % of the warp-grid kernel's
-        // stall samples on registers the pair atomics had not released yet.
-        let odd = lane % 2 == 1;
-        let mut r = r_lo;
-        let mut col = c_lo;
-        if odd {
-            r = r_hi;
-            col = c_lo - 2;
-        }
+    #[unroll]
+    for m in 0..mt {
         #[unroll]
-        for m in 0..mt {
-            let row = q0 + 16 * mt * mq + 16 * m + r;
-            let rb = dq_off + row * dq_rs + c0 + col;
-            #[unroll]
-            for j in 0..comptime!(cw / 8) {
-                let frag = dq_frags.index(comptime!(m * (cw / 8) + j));
-                let lo = frag[0];
-                let hi = frag[1];
-                let got0 = plane_shuffle_xor(select(odd, lo[0], hi[0]), 1u32);
-                let got1 = plane_shuffle_xor(select(odd, lo[1], hi[1]), 1u32);
-                let mut quad = Vector::<f32, NA>::empty();
-                quad[0] = select(odd, got0, lo[0]);
-                quad[1] = select(odd, got1, lo[1]);
-                quad[2] = select(odd, hi[0], got0);
-                quad[3] = select(odd, hi[1], got1);
-                // `rb` is a multiple of 4: `c0`, `col` and the strides are.
-                if row < seq {
-                    dq_acc[(rb + 8 * j) / 4].fetch_add(quad);
-                }
+        for hh in 0..2usize {
+            let mut r = r_lo;
+            if hh == 1 {
+                r = r_hi;
             }
-        }
-    } else {
-        #[unroll]
-        for m in 0..mt {
-            #[unroll]
-            for hh in 0..2usize {
-                let mut r = r_lo;
-                if hh == 1 {
-                    r = r_hi;
-                }
-                let row = q0 + 16 * mt * mq + 16 * m + r;
-                if row < seq {
-                    let rb = dq_off + row * dq_rs + c0 + c_lo;
-                    #[unroll]
-                    for j in 0..comptime!(cw / 8) {
-                        let frag = dq_frags.index(comptime!(m * (cw / 8) + j))[hh];
-                        let mut pair = Vector::<f32, NA>::empty();
-                        pair[0] = frag[0];
-                        pair[1] = frag[1];
-                        // One 8-byte atomic per column pair (sm_90 adds f32 pairs natively):
-                        // half the atomics of two scalar adds. `rb` is even (even `c0 + c_lo`,
-                        // even strides).
-                        dq_acc[(rb + 8 * j) / 2].fetch_add(pair);
-                    }
+            let row = q0 + 16 * mt * mq + 16 * m + r;
+            if row < seq {
+                let rb = dq_off + row * dq_rs + c0 + c_lo;
+                #[unroll]
+                for j in 0..comptime!(cw / 8) {
+                    let pair = dq_frags.index(comptime!(m * (cw / 8) + j))[hh];
+                    // One 8-byte atomic per column pair (sm_90 adds f32 pairs natively): half
+                    // the atomics of two scalar adds. `rb` is even (even `c0 + c_lo`, even
+                    // strides).
+                    dq_acc[(rb + 8 * j) / 2].fetch_add(pair);
                 }
             }
         }
@@ -2983,7 +2940,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
         if comptime!(fused && defer_dq) {
             // The previous block's dS^T, stored by every warp before this block's barrier.
             if it > 0 {
-                fused_dq_apply::<F, N, Const<2>>(
+                fused_dq_apply::<F, N>(
                     &dss,
                     ((it + 1) % 2) * bk,
                     &ks,
@@ -3003,7 +2960,6 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                     ldt,
                     nv,
                     dq_mt,
-                    false,
                 );
             }
         }
@@ -3105,7 +3061,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     if comptime!(fused && defer_dq) {
         if n_it > 0 {
             sync_cube();
-            fused_dq_apply::<F, N, Const<2>>(
+            fused_dq_apply::<F, N>(
                 &dss,
                 ((n_it + 1) % 2) * bk,
                 &ks,
@@ -3125,7 +3081,6 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 ldt,
                 nv,
                 dq_mt,
-                false,
             );
         }
     }
@@ -3285,7 +3240,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
-    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<4>>>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
     scale: f32,
     seq_len: u32,
     group: u32,
@@ -3615,7 +3570,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 nv,
             );
         }
-        fused_dq_apply::<F, N, Const<4>>(
+        fused_dq_apply::<F, N>(
             &dss,
             0usize,
             &ks,
@@ -3635,7 +3590,6 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
             ldt,
             nv,
             dq_mt,
-            true,
         );
         blk = next_blk;
         h_off = next_h_off;
@@ -4179,18 +4133,13 @@ pub fn mma_async_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
 /// Whether the device adds pairs of f32 atomically in global memory (CUDA sm_90 and later), as
 /// the [`MmaDq::Atomic`] tilings do.
 pub fn pair_atomics_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
-    f32_vector_atomics_supported(client, 2)
-}
-
-/// Whether the device adds vectors of `width` f32 atomically (pairs and quads: sm_90).
-fn f32_vector_atomics_supported<R: CubeRuntime>(client: &ComputeClient<R>, width: usize) -> bool {
-    let vector = cubecl::ir::Type::new(cubecl::ir::StorageType::Atomic(ElemType::Float(
+    let pair = cubecl::ir::Type::new(cubecl::ir::StorageType::Atomic(ElemType::Float(
         FloatKind::F32,
     )))
-    .with_vector_size(width);
+    .with_vector_size(2);
     client
         .properties()
-        .atomic_type_usage(vector)
+        .atomic_type_usage(pair)
         .contains(cubecl::ir::features::AtomicUsage::Add)
 }
 
@@ -4295,17 +4244,6 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     // elements, columns multiples of 8). The cp.async copies are `2 * nv` bytes at
     // `nv`-aligned global offsets (`vector_width`) and 16-byte aligned shared rows.
     if async_copy && tiling.warp_grid && fused {
-        assert!(
-            f32_vector_atomics_supported(&client, 4),
-            "flash attention backward (Mma): {tiling} adds dQ in f32 quads atomically, which \
-             needs sm_90 or later; use a tiling without -wg"
-        );
-        let dq_strides = dq_acc.meta.strides();
-        assert!(
-            dq_strides[..3].iter().all(|s| s.is_multiple_of(4)),
-            "flash attention backward (Mma): {tiling} needs dQ strides in multiples of 4 \
-             elements, got {dq_strides:?}"
-        );
         // SAFETY: as below; the P^T and dS^T tiles are indexed inside their comptime sizes
         // (rows of the cube's keys, columns of one query block).
         unsafe {
