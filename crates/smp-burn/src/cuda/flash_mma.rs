@@ -3532,9 +3532,23 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 ldt,
                 nv,
             );
+            mma_ab_acc::<F, Const<2>, N>(
+                &dss,
+                krow,
+                &qs,
+                qrow0,
+                col0,
+                &mut dk_acc,
+                lane,
+                2usize,
+                bq_steps,
+                d_tiles,
+                ldp,
+                2usize,
+                ldt,
+                nv,
+            );
         }
-        // FlashAttention-2's order: the dQ atomics issue between the two products, so
-        // that the dK products cover their operand reads.
         fused_dq_apply::<F, N>(
             &dss,
             0usize,
@@ -3556,24 +3570,6 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
             nv,
             dq_mt,
         );
-        if wk0 < q0 + bq {
-            mma_ab_acc::<F, Const<2>, N>(
-                &dss,
-                krow,
-                &qs,
-                qrow0,
-                col0,
-                &mut dk_acc,
-                lane,
-                2usize,
-                bq_steps,
-                d_tiles,
-                ldp,
-                2usize,
-                ldt,
-                nv,
-            );
-        }
         blk = next_blk;
         h_off = next_h_off;
     }
