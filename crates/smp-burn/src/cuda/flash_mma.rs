@@ -922,49 +922,15 @@ fn mma_atb_acc<F: Float, NX: Size, N: Size>(
     #[comptime] ldb: usize,
     #[comptime] nvb: usize,
 ) {
-    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     // Transposed loads of X: lane l supplies k row l % 8 + 8 (l / 16), m column 8 ((l / 8) %
     // 2): stored blocks (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15),
     // which transposed are a0 (m 0-7, k 0-7), a1 (m 8-15, k 0-7), a2 (m 0-7, k 8-15), a3
     // (m 8-15, k 8-15) of the A fragment.
-    let x_row = lane % 8 + (lane / 16) * 8;
-    let x_col = ((lane / 8) % 2) * 8;
-    // B as V in `mma_pv_strip`: transposed loads, lane l supplies k row l % 16, column
-    // 8 (l / 16).
-    let b_row = lane % 16;
-    let b_col = (lane / 16) * 8;
-    let x_base = x_row * ldx + m0 + x_col;
-    let b_base = b_row * ldb + b_col0 + b_col;
-    #[unroll]
-    for kk in 0..k_steps {
-        let mut a_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
-        #[unroll]
-        for mt in 0..m_tiles {
-            a_frags.push(ldsm_x4::<F, NX>(
-                x,
-                x_base,
-                comptime!(16 * kk * ldx + 16 * mt),
-                nvx,
-                true,
-            ));
-        }
-        #[unroll]
-        for np in 0..comptime!(n_tiles / 2) {
-            let b4 = ldsm_x4::<F, N>(b, b_base, comptime!(16 * kk * ldb + 16 * np), nvb, true);
-            let b_lo = frag_pair::<F>(&b4, 0usize);
-            let b_hi = frag_pair::<F>(&b4, 2usize);
-            #[unroll]
-            for mt in 0..m_tiles {
-                let af = a_frags.index(mt);
-                def.execute_inplace(af, &b_lo, acc.index_mut(comptime!(mt * n_tiles + 2 * np)));
-                def.execute_inplace(
-                    af,
-                    &b_hi,
-                    acc.index_mut(comptime!(mt * n_tiles + 2 * np + 1)),
-                );
-            }
-        }
-    }
+    let x_base = (lane % 8 + (lane / 16) * 8) * ldx + m0 + ((lane / 8) % 2) * 8;
+    mma_acc_core::<F, NX, N>(
+        x, x_base, b, 0usize, b_col0, acc, lane, true, m_tiles, k_steps, n_tiles, ldx, nvx, ldb,
+        nvb,
+    );
 }
 
 /// `acc += A B` for one warp, where `A` is a row-major `[m][k]` shared tile of element pairs
@@ -993,21 +959,51 @@ fn mma_ab_acc<F: Float, NA: Size, N: Size>(
     #[comptime] ldb: usize,
     #[comptime] nvb: usize,
 ) {
-    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    // Plain loads of A, as in `mma_abt_strip`.
     let a_base = (a_row0 + lane % 16) * lda + (lane / 16) * 8;
+    mma_acc_core::<F, NA, N>(
+        a, a_base, b, b_row0, b_col0, acc, lane, false, m_tiles, k_steps, n_tiles, lda, nva, ldb,
+        nvb,
+    );
+}
+
+/// The loop of [`mma_atb_acc`] and [`mma_ab_acc`]: `acc += A B` with this lane's `ldmatrix`
+/// row of A at `a_base` (transposed loads of a `[k][m]` tile with `a_trans`, plain loads of an
+/// `[m][k]` tile without) and B a row-major `[k][n]` tile read from row `b_row0`, column
+/// `b_col0` on by transposed loads (lane l supplies k row l % 16, column 8 (l / 16), as V in
+/// [`mma_pv_strip`]). Two m-tiles share each loaded B fragment.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn mma_acc_core<F: Float, NA: Size, N: Size>(
+    a: &SharedMemory<Vector<F, NA>>,
+    a_base: usize,
+    b: &SharedMemory<Vector<F, N>>,
+    b_row0: usize,
+    b_col0: usize,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    lane: usize,
+    #[comptime] a_trans: bool,
+    #[comptime] m_tiles: usize,
+    #[comptime] k_steps: usize,
+    #[comptime] n_tiles: usize,
+    #[comptime] lda: usize,
+    #[comptime] nva: usize,
+    #[comptime] ldb: usize,
+    #[comptime] nvb: usize,
+) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let b_base = (b_row0 + lane % 16) * ldb + b_col0 + (lane / 16) * 8;
     #[unroll]
     for kk in 0..k_steps {
         let mut a_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
         #[unroll]
         for mt in 0..m_tiles {
-            a_frags.push(ldsm_x4::<F, NA>(
-                a,
-                a_base,
-                comptime!(16 * mt * lda + 16 * kk),
-                nva,
-                false,
-            ));
+            let offset = comptime!(if a_trans {
+                16 * kk * lda + 16 * mt
+            } else {
+                16 * mt * lda + 16 * kk
+            });
+            a_frags.push(ldsm_x4::<F, NA>(a, a_base, offset, nva, a_trans));
         }
         #[unroll]
         for np in 0..comptime!(n_tiles / 2) {
