@@ -306,8 +306,10 @@ pub enum MmaBwdPipe {
     /// tracked by a cube `mbarrier` (`Barrier::commit_copy_async` + `arrive_and_wait`): one
     /// barrier per block instead of two, no staging registers, the next block's copy in flight
     /// during the current block's products. Both the dK/dV kernel (Q/dO/lse/delta) and the dQ
-    /// kernel (K/V) use it; with [`MmaDq::Atomic`] there is no dQ kernel, and the fused dQ adds
-    /// a second barrier per block (its `dS^T` tile is shared by the cube's warps).
+    /// kernel (K/V) use it; with [`MmaDq::Atomic`] there is no dQ kernel: the per-warp dK/dV
+    /// kernel runs each block's fused dQ one block late to keep one barrier per block, the
+    /// warp grid ([`MmaBwdTiling::warp_grid`]) has a second barrier for its `P^T`/`dS^T`
+    /// exchange and runs the dQ behind it.
     Async,
 }
 
@@ -1897,7 +1899,8 @@ fn copy_tile_async<F: Float, N: Size>(
 /// dO, elements for lse and delta). Why the caller passes them: the warp-grid kernel reads
 /// them from scalar arguments (the constant bank), where a tensor's `stride()` is a load from
 /// CubeCL's metadata buffer in global memory, which the compiler, at the register limit,
-/// reissued inside the loop (call FB's SASS: about 18 `LDG` per block, each waited on).
+/// reissued inside the loop (call FB's SASS: about 18 `LDG` per block). Those loads hit L1:
+/// removing them saved the loads but no time (call FC).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_qdo_async<F: Float, N: Size>(
