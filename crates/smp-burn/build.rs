@@ -52,5 +52,23 @@ fn main() {
         println!("cargo:rerun-if-changed=../../Cargo.lock");
         fnv1a(&mut hash, &std::fs::read(lock).unwrap_or_default());
     }
+    // The vendored CubeCL crates' sources, where the workspace has them: an edit to their code
+    // generation changes kernels as much as an edit here.
+    let vendor = Path::new("../../vendor");
+    if vendor.is_dir() {
+        println!("cargo:rerun-if-changed=../../vendor");
+        let mut files = Vec::new();
+        collect(vendor, &mut files);
+        files.sort();
+        for file in &files {
+            fnv1a(&mut hash, &std::fs::read(file).unwrap_or_default());
+        }
+    }
     println!("cargo:rustc-env=SMP_BURN_SOURCE_FINGERPRINT={hash:016x}");
+    // vendor/cubecl-ir announces its bulk reduction (`links` metadata); upstream's does not.
+    println!("cargo:rustc-check-cfg=cfg(cubecl_bulk_reduce)");
+    println!("cargo:rerun-if-env-changed=DEP_CUBECL_IR_SMP_BURN_BULK_REDUCE_ADD_F32");
+    if std::env::var_os("DEP_CUBECL_IR_SMP_BURN_BULK_REDUCE_ADD_F32").is_some() {
+        println!("cargo:rustc-cfg=cubecl_bulk_reduce");
+    }
 }

@@ -553,6 +553,17 @@ impl Optimizer {
                     visit_read(self, coord)
                 }
             }
+            TmaOps::BulkReduceAddF32 {
+                source,
+                offset_source,
+                offset_out,
+                bytes,
+            } => {
+                visit_read(self, source);
+                visit_read(self, offset_source);
+                visit_read(self, offset_out);
+                visit_read(self, bytes);
+            }
             TmaOps::CommitGroup | TmaOps::WaitGroup { .. } | TmaOps::WaitGroupRead { .. } => {}
         }
     }

@@ -2607,11 +2607,14 @@ fn fused_dq_block<F: Float, N: Size>(
         1usize,
     );
     sync_cube();
+    // Unused without `bulk`.
+    let mut no_dqs = SharedMemory::<Vector<f32, Const<2>>>::new(2usize);
     fused_dq_apply::<F, N>(
         dss,
         0usize,
         ks,
         dq_acc,
+        &mut no_dqs,
         b * dq_acc.stride(0) + h * dq_acc.stride(1),
         dq_acc.stride(2),
         q0,
@@ -2627,7 +2630,138 @@ fn fused_dq_block<F: Float, N: Size>(
         ldt,
         nv,
         1usize,
+        false,
     );
+}
+
+/// Offset (in f32 pairs) of the chunk of query block `q0 / bq` of head `h`, batch `b`, in the
+/// bulk dQ's accumulator ([`dq_chunk_pos`]): chunks of `bq x d` f32 per (batch, head, query
+/// block), in that order.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dq_chunk_offset(
+    b: usize,
+    h: usize,
+    q0: usize,
+    heads_q: usize,
+    n_qb: usize,
+    #[comptime] bq: usize,
+    #[comptime] d: usize,
+) -> usize {
+    ((b * heads_q + h) * n_qb + q0 / bq) * comptime!(bq * d / 2)
+}
+
+/// `dq_acc`'s offset for the deferred dQ of `flash_bwd_dkdv_mma_cp`: the chunk with `bulk`,
+/// else head `h`'s row 0 (elements).
+#[cube]
+#[allow(clippy::too_many_arguments, unused_assignments)]
+fn owed_dq_offset(
+    dq_acc: &Tensor<Atomic<Vector<f32, Const<2>>>>,
+    b: usize,
+    h: usize,
+    q0: usize,
+    heads_q: usize,
+    n_qb: usize,
+    #[comptime] bq: usize,
+    #[comptime] d: usize,
+    #[comptime] bulk: bool,
+) -> usize {
+    // Only one branch is expanded: the chunked accumulator is one-dimensional.
+    let mut off = 0usize;
+    if comptime!(bulk) {
+        off = dq_chunk_offset(b, h, q0, heads_q, n_qb, bq, d);
+    } else {
+        off = b * dq_acc.stride(0) + h * dq_acc.stride(1);
+    }
+    off
+}
+
+/// Where element (`row`, `col`) of a query block's `bq x d` dQ lies in its chunk of the bulk
+/// accumulator (f32 units): the order in which [`fused_dq_apply`]'s warps hold it, so that
+/// they store it to shared memory without bank conflicts and add it with one bulk reduction
+/// each. Warp `w = (row / 16 mt) * wpm + col / cw` owns `16 mt x cw` (`wpm = warps / (bq /
+/// 16 mt)`, `cw = d / wpm`) as `mt x cw / 8` fragments `f`, each two halves `hh` (rows `r` and
+/// `r + 8`) of 32 lanes' pairs: position `w * 16 mt cw + (f * 64 + hh * 32 + lane) * 2 + e`.
+#[cube]
+fn dq_chunk_pos(
+    row: usize,
+    col: usize,
+    #[comptime] warps: usize,
+    #[comptime] bq: usize,
+    #[comptime] d: usize,
+    #[comptime] mt: usize,
+) -> usize {
+    let wpm = comptime!(warps / (bq / (16 * mt)));
+    let cw = comptime!(d / wpm);
+    let warp = (row / comptime!(16 * mt)) * wpm + col / cw;
+    let m = (row % comptime!(16 * mt)) / 16;
+    let hh = (row % 16) / 8;
+    let lane = (row % 8) * 4 + (col % 8) / 2;
+    let f = m * comptime!(cw / 8) + (col % cw) / 8;
+    warp * comptime!(16 * mt * cw) + (f * 64 + hh * 32 + lane) * 2 + col % 2
+}
+
+/// Whether this build can issue Hopper's bulk asynchronous reduction
+/// ([`bulk_reduce_add_f32`]): with the workspace's `vendor/cubecl-ir` and `vendor/cubecl-cpp`,
+/// which add the operation (`build.rs` detects them); not with upstream CubeCL 0.10.
+pub(super) const BULK_REDUCE_BUILT: bool = cfg!(cubecl_bulk_reduce);
+
+/// Adds `bytes` bytes of f32 from `src` (from element `src_offset`) into `dst` (from element
+/// `dst_offset`), offsets in units of each buffer's own item type, by one
+/// `cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32` (sm_90). Why: the adds happen
+/// in L2 on behalf of the copy engine, so the issuing warp neither waits for atomics to read
+/// their registers nor spends an instruction per pair (session 16, call FI: the grid kernel's
+/// pair atomics cost a fifth of the backward). One thread issues it; the writes to `src` must
+/// first be made visible to the async proxy (`sync_async_proxy_shared` by the writers, then a
+/// barrier among them), and `src` must not be written again before `tma_group_commit` and
+/// `tma_group_wait_read`. Addresses and `bytes` must be multiples of 16.
+#[allow(unused_variables)]
+pub(super) fn bulk_reduce_add_f32<S: CubePrimitive, G: CubePrimitive>(
+    src: &SharedMemory<S>,
+    src_offset: usize,
+    dst: &mut Tensor<G>,
+    dst_offset: usize,
+    bytes: u32,
+) {
+    panic!("cube functions run only inside kernels")
+}
+
+/// The expansion of [`bulk_reduce_add_f32`] (CubeCL's frontend convention: a module of the
+/// function's name with an `expand`).
+pub(super) mod bulk_reduce_add_f32 {
+    use cubecl::prelude::*;
+
+    /// Registers the operation; see [`super::bulk_reduce_add_f32`].
+    ///
+    /// # Panics
+    /// In a build without the vendored CubeCL crates ([`super::BULK_REDUCE_BUILT`] false), where
+    /// no kernel is launched with the bulk dQ.
+    pub fn expand<S: CubePrimitive, G: CubePrimitive>(
+        scope: &mut Scope,
+        src: NativeExpand<SharedMemory<S>>,
+        src_offset: NativeExpand<usize>,
+        dst: NativeExpand<Tensor<G>>,
+        dst_offset: NativeExpand<usize>,
+        bytes: NativeExpand<u32>,
+    ) {
+        #[cfg(cubecl_bulk_reduce)]
+        scope.register(cubecl::ir::Instruction::new(
+            cubecl::ir::TmaOps::BulkReduceAddF32 {
+                source: *src.expand,
+                offset_source: *src_offset.expand,
+                offset_out: *dst_offset.expand,
+                bytes: *bytes.expand,
+            },
+            *dst.expand,
+        ));
+        #[cfg(not(cubecl_bulk_reduce))]
+        {
+            let _ = (scope, src, src_offset, dst, dst_offset, bytes);
+            panic!(
+                "bulk_reduce_add_f32 needs the workspace's vendor/cubecl-ir and vendor/cubecl-cpp"
+            );
+        }
+    }
 }
 
 /// The second half of [`fused_dq_block`]: each warp forms its `16 * mt x d / wpm` tile of `dQ =
@@ -2636,6 +2770,13 @@ fn fused_dq_block<F: Float, N: Size>(
 /// cube barrier, and adds it to `dq_acc` with f32-pair atomics. `dq_off` is the offset of the
 /// head's row 0 in `dq_acc` and `dq_rs` its row stride, both in elements (passed in for the
 /// reason [`copy_qdo_async`] gives).
+///
+/// With `bulk`, `dq_acc` is in the chunked fragment order of [`dq_chunk_pos`] instead, and
+/// `dq_off` is the offset of the block's chunk in it (pairs): the warp stores its tile to its
+/// part of `dqs` (`bq x d` f32 for the cube) and adds it with one [`bulk_reduce_add_f32`].
+/// The warp's previous reduction must have read `dqs` by then: its lane 0 waits for that
+/// first (a block's work later, it has). The kernel must `tma_group_wait_read(0)` before it
+/// ends.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fused_dq_apply<F: Float, N: Size>(
@@ -2643,6 +2784,7 @@ fn fused_dq_apply<F: Float, N: Size>(
     dss_row0: usize,
     ks: &SharedMemory<Vector<F, N>>,
     dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
+    dqs: &mut SharedMemory<Vector<f32, Const<2>>>,
     dq_off: usize,
     dq_rs: usize,
     q0: usize,
@@ -2658,6 +2800,7 @@ fn fused_dq_apply<F: Float, N: Size>(
     #[comptime] ldt: usize,
     #[comptime] nv: usize,
     #[comptime] mt: usize,
+    #[comptime] bulk: bool,
 ) {
     // Pitch of the dS^T tile (elements): 8 mod 16, so stores and ldmatrix rows hit distinct
     // banks.
@@ -2686,6 +2829,59 @@ fn fused_dq_apply<F: Float, N: Size>(
         ldt,
         nv,
     );
+    if comptime!(bulk) {
+        // The warp's part of the chunk: its fragments in order, each as two halves of 32
+        // lanes' pairs, so that every store is 256 contiguous bytes (no bank conflicts).
+        let frags = comptime!(mt * cw / 8);
+        let wbase = warp * comptime!(frags * 64);
+        if lane == 0 {
+            tma_group_wait_read(0u32);
+        }
+        sync_plane();
+        #[unroll]
+        for f in 0..frags {
+            #[unroll]
+            for hh in 0..2usize {
+                dqs[wbase + comptime!(f * 64 + hh * 32) + lane] = dq_frags.index(f)[hh];
+            }
+        }
+        sync_async_proxy_shared();
+        sync_plane();
+        if lane == 0 {
+            bulk_reduce_add_f32(
+                dqs,
+                wbase,
+                dq_acc,
+                dq_off + wbase,
+                comptime!(frags as u32 * 64 * 8),
+            );
+            tma_group_commit();
+        }
+    } else {
+        fused_dq_atomics(
+            &dq_frags, dq_acc, dq_off, dq_rs, q0, seq, mq, c0, r_lo, r_hi, c_lo, cw, mt,
+        );
+    }
+}
+
+/// The f32-pair atomics of [`fused_dq_apply`] without `bulk`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fused_dq_atomics(
+    dq_frags: &Sequence<Array<Vector<f32, Const<2>>>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
+    dq_off: usize,
+    dq_rs: usize,
+    q0: usize,
+    seq: usize,
+    mq: usize,
+    c0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    #[comptime] cw: usize,
+    #[comptime] mt: usize,
+) {
     #[unroll]
     for m in 0..mt {
         #[unroll]
@@ -2770,6 +2966,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
     #[comptime] fused: bool,
     #[comptime] defer_dq: bool,
     #[comptime] dq_mt: usize,
+    #[comptime] bulk_dq: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let bk = comptime!(16 * warps);
@@ -2815,6 +3012,12 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
         }),
         128usize,
     );
+    // The bulk dQ's staging tile (`fused_dq_apply`, deferred dQ only): `bq x d` f32.
+    let mut dqs = SharedMemory::<Vector<f32, Const<2>>>::new_aligned(
+        comptime!(if bulk_dq { bq * d / 2 } else { 2 }),
+        128usize,
+    );
+    let heads_q = CUBE_COUNT_X as usize * grp;
 
     // K and V stay for the whole cube: a synchronous copy, ordered before the first block's
     // reads by the barrier below.
@@ -2943,7 +3146,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                     ((it + 1) % 2) * bk,
                     &ks,
                     dq_acc,
-                    b * dq_acc.stride(0) + owed_h * dq_acc.stride(1),
+                    &mut dqs,
+                    owed_dq_offset(dq_acc, b, owed_h, owed_q0, heads_q, n_qb, bq, d, bulk_dq),
                     dq_acc.stride(2),
                     owed_q0,
                     seq,
@@ -2958,6 +3162,7 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                     ldt,
                     nv,
                     dq_mt,
+                    bulk_dq,
                 );
             }
         }
@@ -3064,7 +3269,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 ((n_it + 1) % 2) * bk,
                 &ks,
                 dq_acc,
-                b * dq_acc.stride(0) + owed_h * dq_acc.stride(1),
+                &mut dqs,
+                owed_dq_offset(dq_acc, b, owed_h, owed_q0, heads_q, n_qb, bq, d, bulk_dq),
                 dq_acc.stride(2),
                 owed_q0,
                 seq,
@@ -3079,7 +3285,18 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 ldt,
                 nv,
                 dq_mt,
+                bulk_dq,
             );
+        }
+    }
+
+    if comptime!(bulk_dq) {
+        // The last reductions read `dqs` until they are done with it; their writes to global
+        // memory complete before the kernel does (CUTLASS's TMA-store epilogues wait the same
+        // way). Not `tma_group_wait`: CubeCL 0.10 emits it as a libcu++ function that CUDA
+        // 13's does not have.
+        if lane == 0 {
+            tma_group_wait_read(0u32);
         }
     }
 
@@ -3242,6 +3459,7 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     #[comptime] warps: usize,
     #[comptime] bq: usize,
     #[comptime] dq_mt: usize,
+    #[comptime] bulk_dq: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let bk = comptime!(16 * warps);
@@ -3305,6 +3523,12 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
         SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * ldp / 2), 128usize);
     let mut dss =
         SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * ldp / 2), 128usize);
+    // The bulk dQ's staging tile (`fused_dq_apply`): the block's `bq x d` f32.
+    let mut dqs = SharedMemory::<Vector<f32, Const<2>>>::new_aligned(
+        comptime!(if bulk_dq { bq * d / 2 } else { 2 }),
+        128usize,
+    );
+    let heads_q = CUBE_COUNT_X as usize * grp;
 
     stage_tile::<F, N>(
         k,
@@ -3548,29 +3772,25 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 nv,
             );
         }
+        let mut dq_at = b * dq_bs + h * dq_hs;
+        if comptime!(bulk_dq) {
+            dq_at = dq_chunk_offset(b, h, q0, heads_q, n_qb, bq, d);
+        }
         fused_dq_apply::<F, N>(
-            &dss,
-            0usize,
-            &ks,
-            dq_acc,
-            b * dq_bs + h * dq_hs,
-            dq_rs,
-            q0,
-            seq,
-            warp,
-            lane,
-            r_lo,
-            r_hi,
-            c_lo,
-            warps,
-            bq,
-            d,
-            ldt,
-            nv,
-            dq_mt,
+            &dss, 0usize, &ks, dq_acc, &mut dqs, dq_at, dq_rs, q0, seq, warp, lane, r_lo, r_hi,
+            c_lo, warps, bq, d, ldt, nv, dq_mt, bulk_dq,
         );
         blk = next_blk;
         h_off = next_h_off;
+    }
+    if comptime!(bulk_dq) {
+        // The last reductions read `dqs` until they are done with it; their writes to global
+        // memory complete before the kernel does (CUTLASS's TMA-store epilogues wait the same
+        // way). Not `tma_group_wait`: CubeCL 0.10 emits it as a libcu++ function that CUDA
+        // 13's does not have.
+        if lane == 0 {
+            tma_group_wait_read(0u32);
+        }
     }
 
     write_dkdv::<F>(
@@ -4137,6 +4357,82 @@ fn flash_dq_convert<F: Float>(
     }
 }
 
+/// `dq = dq_acc * scale` rounded to `F` from the bulk dQ's chunked accumulator
+/// ([`dq_chunk_pos`]; its rows past `seq` are padding and skipped), one thread per element of
+/// `dq` (`[B, H, S, D]` through its strides, `len` elements).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn flash_dq_convert_chunks<F: Float>(
+    dq_acc: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    scale: f32,
+    len: u32,
+    heads: u32,
+    seq_len: u32,
+    #[comptime] warps: usize,
+    #[comptime] bq: usize,
+    #[comptime] d: usize,
+    #[comptime] mt: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < len as usize {
+        let seq = seq_len as usize;
+        let col = i % d;
+        let t = i / d;
+        let row = t % seq;
+        let bh = t / seq;
+        let h = bh % heads as usize;
+        let b = bh / heads as usize;
+        let n_qb = (seq + bq - 1) / bq;
+        let src = (bh * n_qb + row / bq) * comptime!(bq * d)
+            + dq_chunk_pos(row % bq, col, warps, bq, d, mt);
+        dq[b * dq.stride(0) + h * dq.stride(1) + row * dq.stride(2) + col * dq.stride(3)] =
+            F::cast_from(dq_acc[src] * scale);
+    }
+}
+
+/// Environment variable that turns the bulk dQ reduction off (`0`) or on (`1`, the default
+/// where [`bulk_dq_supported`]); for measuring the difference.
+pub const FLASH_BULK_DQ_ENV: &str = "SMP_BURN_FLASH_BULK_DQ";
+
+/// Whether the atomic-dQ backward kernels can add dQ by bulk reductions
+/// ([`bulk_reduce_add_f32`]): this build has the operation ([`BULK_REDUCE_BUILT`]) and the
+/// device Hopper's copy engine (TMA, sm_90+).
+pub fn bulk_dq_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+    BULK_REDUCE_BUILT
+        && client
+            .properties()
+            .features
+            .tma
+            .contains(cubecl::ir::features::Tma::Base)
+}
+
+/// [`bulk_dq_supported`] unless [`FLASH_BULK_DQ_ENV`] is `0` (read once).
+///
+/// # Panics
+/// If the variable holds anything but `0` or `1`, or `1` where the bulk dQ is not supported.
+fn bulk_dq_enabled<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+    static WANTED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let wanted = *WANTED.get_or_init(|| match std::env::var(FLASH_BULK_DQ_ENV) {
+        Err(_) => None,
+        Ok(v) => match v.trim() {
+            "0" => Some(false),
+            "1" => Some(true),
+            other => panic!("{FLASH_BULK_DQ_ENV}={other:?}: expected 0 or 1"),
+        },
+    });
+    let supported = bulk_dq_supported(client);
+    match wanted {
+        Some(true) if !supported => panic!(
+            "{FLASH_BULK_DQ_ENV}=1, but the bulk dQ needs sm_90 and a build with the \
+             workspace's vendored CubeCL (built with it: {BULK_REDUCE_BUILT})"
+        ),
+        Some(w) => w,
+        None => supported,
+    }
+}
+
 /// Threads per cube of [`flash_dq_convert`].
 const CONVERT_THREADS: usize = 256;
 
@@ -4201,7 +4497,25 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     // kernel's comptime `fused` removes every access to it). In dq's layout: both are dense
     // with the same strides, so `flash_dq_convert`'s flat index `i` is the same element in
     // both.
-    let dq_acc = if fused {
+    // The bulk dQ (`fused_dq_apply`) needs the warp grid or the deferred dQ of the `cp.async`
+    // kernel, whose dQ tiles span whole chunks.
+    let defer_dq = fused && async_copy && !tiling.warp_grid && defer_fused_dq();
+    let bulk_dq = fused && async_copy && (tiling.warp_grid || defer_dq) && bulk_dq_enabled(&client);
+    let dq_mt = if tiling.warp_grid || defer_dq {
+        dq_m_tiles(tiling.warps, tiling.inner, head_dim)
+    } else {
+        1
+    };
+    let dq_acc = if bulk_dq {
+        // Chunks of `bq x d` per (batch, head, query block), rows past `seq` included.
+        let chunks = batch * heads_q * seq.div_ceil(tiling.inner);
+        zeros_client::<R>(
+            client.clone(),
+            device.clone(),
+            Shape::new([chunks * tiling.inner * head_dim]),
+            DType::F32,
+        )
+    } else if fused {
         layout.alloc([batch, heads_q, seq, head_dim], |shape| {
             zeros_client::<R>(client.clone(), device.clone(), shape, DType::F32)
         })
@@ -4253,20 +4567,21 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 stride_u32(&delta, 0),
                 stride_u32(&delta, 1),
                 stride_u32(&delta, 2),
-                stride_u32(&dq_acc, 0),
-                stride_u32(&dq_acc, 1),
-                stride_u32(&dq_acc, 2),
+                // The chunked accumulator has no rows (`dq_chunk_offset` instead).
+                if bulk_dq { 0 } else { stride_u32(&dq_acc, 0) },
+                if bulk_dq { 0 } else { stride_u32(&dq_acc, 1) },
+                if bulk_dq { 0 } else { stride_u32(&dq_acc, 2) },
                 head_dim,
                 nv,
                 tiling.warps,
                 tiling.inner,
-                dq_m_tiles(tiling.warps, tiling.inner, head_dim),
+                dq_mt,
+                bulk_dq,
                 dtype.into(),
             );
         }
     } else if async_copy {
         // The fused dQ of the `cp.async` kernel runs one block late (`defer_fused_dq`).
-        let defer_dq = fused && defer_fused_dq();
         unsafe {
             flash_bwd_dkdv_mma_cp::launch_unchecked::<R>(
                 &client,
@@ -4291,11 +4606,8 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 tiling.inner,
                 fused,
                 defer_dq,
-                if defer_dq {
-                    dq_m_tiles(tiling.warps, tiling.inner, head_dim)
-                } else {
-                    1
-                },
+                dq_mt,
+                bulk_dq,
                 dtype.into(),
             );
         }
@@ -4334,6 +4646,30 @@ pub(super) fn launch_backward<R: CubeRuntime>(
             len <= u32::MAX as usize,
             "flash attention backward (Mma): dQ too large ({len} elements)"
         );
+        if bulk_dq {
+            // SAFETY: `dq_acc` holds every chunk of `dq`'s (batch, head, query block), so
+            // `dq_chunk_pos` stays inside it; `dq` is written through its strides for the
+            // `len` elements of its shape; the kernel guards `i < len`.
+            unsafe {
+                flash_dq_convert_chunks::launch_unchecked::<R>(
+                    &client,
+                    CubeCount::Static(len.div_ceil(CONVERT_THREADS) as u32, 1, 1),
+                    CubeDim::new_1d(CONVERT_THREADS as u32),
+                    dq_acc.into_tensor_arg(),
+                    dq.clone().into_tensor_arg(),
+                    scale,
+                    len as u32,
+                    heads_q as u32,
+                    seq as u32,
+                    tiling.warps,
+                    tiling.inner,
+                    head_dim,
+                    dq_mt,
+                    dtype.into(),
+                );
+            }
+            return;
+        }
         // SAFETY: both tensors are dense buffers of `len` elements with the same strides (see
         // `dq_acc`); the kernel guards `i < len`.
         unsafe {
@@ -4618,6 +4954,21 @@ mod tests {
         // The warp grid exists only with the fused dQ and cp.async.
         assert_eq!(MmaBwdTiling::parse("8x64-split-cp-vd-wg"), None);
         assert_eq!(MmaBwdTiling::parse("8x64-atomic-wg"), None);
+    }
+
+    /// Where the workspace vendors cubecl-ir, smp-burn must have been built against it (its
+    /// `[patch.crates-io]` entry): otherwise the flash backward falls back to the f32-pair
+    /// atomics without a word, 4-6 % slower (session 16, call FJ).
+    #[test]
+    fn workspace_build_has_the_bulk_reduction() {
+        let vendored = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../vendor/cubecl-ir")
+            .is_dir();
+        assert!(
+            !vendored || BULK_REDUCE_BUILT,
+            "vendor/cubecl-ir exists but smp-burn was built against another cubecl-ir (is its \
+             [patch.crates-io] entry in the workspace Cargo.toml?)"
+        );
     }
 
     /// The slack bounds the stale-maximum probabilities by `exp(slack)`, so only values that
