@@ -1895,12 +1895,10 @@ fn copy_tile_async<F: Float, N: Size>(
 /// Issues the asynchronous copies of the dK/dV kernel's query block at `q0`: Q and dO rows
 /// into rows `qrow0 ..` of `qs` and `dos`, lse and delta into `lse_s[qrow0 ..]`,
 /// `delta_s[qrow0 ..]` (4-byte `cp.async`), with [`bwd_row_stats`]'s values past the end.
-/// `*_off` are the offsets of the head's row 0 and `*_rs` the row strides (in vectors for Q and
-/// dO, elements for lse and delta). Why the caller passes them: the warp-grid kernel reads
-/// them from scalar arguments (the constant bank), where a tensor's `stride()` is a load from
-/// CubeCL's metadata buffer in global memory, which the compiler, at the register limit,
-/// reissued inside the loop (call FB's SASS: about 18 `LDG` per block). Those loads hit L1:
-/// removing them saved the loads but no time (call FC).
+/// of head `h`, batch `b`. The strides come from the tensors' metadata: session 15 passed them
+/// as scalar kernel arguments instead (the compiler reloads `stride()` in the loop, call FB's
+/// SASS: about 18 loads per block), which saved the loads but no time, as they hit L1 (call
+/// FC).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_qdo_async<F: Float, N: Size>(
@@ -1912,14 +1910,8 @@ fn copy_qdo_async<F: Float, N: Size>(
     dos: &mut SharedMemory<Vector<F, N>>,
     lse_s: &mut SharedMemory<f32>,
     delta_s: &mut SharedMemory<f32>,
-    q_off: usize,
-    q_rs: usize,
-    do_off: usize,
-    do_rs: usize,
-    lse_off: usize,
-    lse_rs: usize,
-    delta_off: usize,
-    delta_rs: usize,
+    b: usize,
+    h: usize,
     q0: usize,
     seq: usize,
     qrow0: usize,
@@ -1929,6 +1921,14 @@ fn copy_qdo_async<F: Float, N: Size>(
     #[comptime] nv: usize,
     #[comptime] nthreads: usize,
 ) {
+    let q_off = (b * q.stride(0) + h * q.stride(1)) / nv;
+    let q_rs = q.stride(2) / nv;
+    let do_off = (b * d_o.stride(0) + h * d_o.stride(1)) / nv;
+    let do_rs = d_o.stride(2) / nv;
+    let lse_off = b * lse.stride(0) + h * lse.stride(1);
+    let lse_rs = lse.stride(2);
+    let delta_off = b * delta.stride(0) + h * delta.stride(1);
+    let delta_rs = delta.stride(2);
     copy_tile_async::<F, N>(q, q_off, q_rs, q0, seq, qs, qrow0, bq, d, ldt, nv, nthreads);
     copy_tile_async::<F, N>(
         d_o, do_off, do_rs, q0, seq, dos, qrow0, bq, d, ldt, nv, nthreads,
@@ -2615,8 +2615,9 @@ fn fused_dq_block<F: Float, N: Size>(
         ks,
         dq_acc,
         &mut no_dqs,
-        b * dq_acc.stride(0) + h * dq_acc.stride(1),
-        dq_acc.stride(2),
+        b,
+        h,
+        0usize,
         q0,
         seq,
         warp,
@@ -2649,31 +2650,6 @@ fn dq_chunk_offset(
     #[comptime] d: usize,
 ) -> usize {
     ((b * heads_q + h) * n_qb + q0 / bq) * comptime!(bq * d / 2)
-}
-
-/// `dq_acc`'s offset for the deferred dQ of `flash_bwd_dkdv_mma_cp`: the chunk with `bulk`,
-/// else head `h`'s row 0 (elements).
-#[cube]
-#[allow(clippy::too_many_arguments, unused_assignments)]
-fn owed_dq_offset(
-    dq_acc: &Tensor<Atomic<Vector<f32, Const<2>>>>,
-    b: usize,
-    h: usize,
-    q0: usize,
-    heads_q: usize,
-    n_qb: usize,
-    #[comptime] bq: usize,
-    #[comptime] d: usize,
-    #[comptime] bulk: bool,
-) -> usize {
-    // Only one branch is expanded: the chunked accumulator is one-dimensional.
-    let mut off = 0usize;
-    if comptime!(bulk) {
-        off = dq_chunk_offset(b, h, q0, heads_q, n_qb, bq, d);
-    } else {
-        off = b * dq_acc.stride(0) + h * dq_acc.stride(1);
-    }
-    off
 }
 
 /// Where element (`row`, `col`) of a query block's `bq x d` dQ lies in its chunk of the bulk
@@ -2767,12 +2743,11 @@ pub(super) mod bulk_reduce_add_f32 {
 /// The second half of [`fused_dq_block`]: each warp forms its `16 * mt x d / wpm` tile of `dQ =
 /// dS K` from the `dS^T` tile whose first key row is row `dss_row0` of `dss` (0, or `bk` for
 /// the second half of a double buffer), all of whose rows the caller has made visible with a
-/// cube barrier, and adds it to `dq_acc` with f32-pair atomics. `dq_off` is the offset of the
-/// head's row 0 in `dq_acc` and `dq_rs` its row stride, both in elements (passed in for the
-/// reason [`copy_qdo_async`] gives).
+/// cube barrier, and adds it to `dq_acc` (query head `h` of `heads_q`, batch `b`) with f32-pair
+/// atomics.
 ///
-/// With `bulk`, `dq_acc` is in the chunked fragment order of [`dq_chunk_pos`] instead, and
-/// `dq_off` is the offset of the block's chunk in it (pairs): the warp stores its tile to its
+/// With `bulk`, `dq_acc` is in the chunked fragment order of [`dq_chunk_pos`] instead (one
+/// dimension, no rows): the warp stores its tile to its
 /// part of `dqs` (`bq x d` f32 for the cube) and adds it with one [`bulk_reduce_add_f32`].
 /// The warp's previous reduction must have read `dqs` by then: its lane 0 waits for that
 /// first (a block's work later, it has). The kernel must `tma_group_wait_read(0)` before it
@@ -2785,8 +2760,9 @@ fn fused_dq_apply<F: Float, N: Size>(
     ks: &SharedMemory<Vector<F, N>>,
     dq_acc: &mut Tensor<Atomic<Vector<f32, Const<2>>>>,
     dqs: &mut SharedMemory<Vector<f32, Const<2>>>,
-    dq_off: usize,
-    dq_rs: usize,
+    b: usize,
+    h: usize,
+    heads_q: usize,
     q0: usize,
     seq: usize,
     warp: usize,
@@ -2848,16 +2824,19 @@ fn fused_dq_apply<F: Float, N: Size>(
         sync_async_proxy_shared();
         sync_plane();
         if lane == 0 {
+            let chunk = dq_chunk_offset(b, h, q0, heads_q, (seq + bq - 1) / bq, bq, d);
             bulk_reduce_add_f32(
                 dqs,
                 wbase,
                 dq_acc,
-                dq_off + wbase,
+                chunk + wbase,
                 comptime!(frags as u32 * 64 * 8),
             );
             tma_group_commit();
         }
     } else {
+        let dq_off = b * dq_acc.stride(0) + h * dq_acc.stride(1);
+        let dq_rs = dq_acc.stride(2);
         fused_dq_atomics(
             &dq_frags, dq_acc, dq_off, dq_rs, q0, seq, mq, c0, r_lo, r_hi, c_lo, cw, mt,
         );
@@ -2931,6 +2910,54 @@ fn dq_m_tiles_for(warps: usize, bq: usize, d: usize) -> usize {
     let fits =
         bq.is_multiple_of(32) && warps.is_multiple_of(bq / 32) && d / (warps / (bq / 32)) >= 16;
     if fits { 2 } else { 1 }
+}
+
+/// Stages the cube's K and V rows `k0 .. k0 + bk` of kv head `hk`, batch `b`, into `ks` and
+/// `vs` (a synchronous copy: they stay for the whole cube, and the first block's barrier orders
+/// it before their reads). Shared by the `cp.async` dK/dV kernels.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_kv<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    ks: &mut SharedMemory<Vector<F, N>>,
+    vs: &mut SharedMemory<Vector<F, N>>,
+    b: usize,
+    hk: usize,
+    k0: usize,
+    seq: usize,
+    #[comptime] bk: usize,
+    #[comptime] d: usize,
+    #[comptime] ldt: usize,
+    #[comptime] nv: usize,
+    #[comptime] nthreads: usize,
+) {
+    stage_tile::<F, N>(
+        k,
+        (b * k.stride(0) + hk * k.stride(1)) / nv,
+        k.stride(2) / nv,
+        k0,
+        seq,
+        ks,
+        bk,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
+    stage_tile::<F, N>(
+        v,
+        (b * v.stride(0) + hk * v.stride(1)) / nv,
+        v.stride(2) / nv,
+        k0,
+        seq,
+        vs,
+        bk,
+        d,
+        ldt,
+        nv,
+        nthreads,
+    );
 }
 
 /// dK and dV with `cp.async` double buffering ([`MmaBwdPipe::Async`]), and with `fused` dQ by
@@ -3021,31 +3048,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
 
     // K and V stay for the whole cube: a synchronous copy, ordered before the first block's
     // reads by the barrier below.
-    stage_tile::<F, N>(
-        k,
-        (b * k.stride(0) + hk * k.stride(1)) / nv,
-        k.stride(2) / nv,
-        k0,
-        seq,
-        &mut ks,
-        bk,
-        d,
-        ldt,
-        nv,
-        nthreads,
-    );
-    stage_tile::<F, N>(
-        v,
-        (b * v.stride(0) + hk * v.stride(1)) / nv,
-        v.stride(2) / nv,
-        k0,
-        seq,
-        &mut vs,
-        bk,
-        d,
-        ldt,
-        nv,
-        nthreads,
+    stage_kv::<F, N>(
+        k, v, &mut ks, &mut vs, b, hk, k0, seq, bk, d, ldt, nv, nthreads,
     );
     // Every thread arrives once per block (and its cp.async completions once more, through
     // commit_copy_async), so one phase of the barrier is one block.
@@ -3072,14 +3076,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
         &mut dos,
         &mut lse_s,
         &mut delta_s,
-        (b * q.stride(0) + h_first * q.stride(1)) / nv,
-        q.stride(2) / nv,
-        (b * d_o.stride(0) + h_first * d_o.stride(1)) / nv,
-        d_o.stride(2) / nv,
-        b * lse.stride(0) + h_first * lse.stride(1),
-        lse.stride(2),
-        b * delta.stride(0) + h_first * delta.stride(1),
-        delta.stride(2),
+        b,
+        h_first,
         qb_start * bq,
         seq,
         0usize,
@@ -3120,14 +3118,8 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 &mut dos,
                 &mut lse_s,
                 &mut delta_s,
-                (b * q.stride(0) + (h_first + next_h_off) * q.stride(1)) / nv,
-                q.stride(2) / nv,
-                (b * d_o.stride(0) + (h_first + next_h_off) * d_o.stride(1)) / nv,
-                d_o.stride(2) / nv,
-                b * lse.stride(0) + (h_first + next_h_off) * lse.stride(1),
-                lse.stride(2),
-                b * delta.stride(0) + (h_first + next_h_off) * delta.stride(1),
-                delta.stride(2),
+                b,
+                h_first + next_h_off,
                 (qb_start + next_blk) * bq,
                 seq,
                 bq - qrow0,
@@ -3147,8 +3139,9 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                     &ks,
                     dq_acc,
                     &mut dqs,
-                    owed_dq_offset(dq_acc, b, owed_h, owed_q0, heads_q, n_qb, bq, d, bulk_dq),
-                    dq_acc.stride(2),
+                    b,
+                    owed_h,
+                    heads_q,
                     owed_q0,
                     seq,
                     warp,
@@ -3270,8 +3263,9 @@ fn flash_bwd_dkdv_mma_cp<F: Float, N: Size>(
                 &ks,
                 dq_acc,
                 &mut dqs,
-                owed_dq_offset(dq_acc, b, owed_h, owed_q0, heads_q, n_qb, bq, d, bulk_dq),
-                dq_acc.stride(2),
+                b,
+                owed_h,
+                heads_q,
                 owed_q0,
                 seq,
                 warp,
@@ -3421,8 +3415,7 @@ fn dkdv_grid_scores<F: Float, N: Size>(
 /// the same `dss`, which the next block rewrites only after its first barrier. Session 15
 /// (calls FA, FC): deferring the dQ by a block, so that the products wait only for their key
 /// group's two warps (an mbarrier per group) instead of the second cube barrier, ran 2-4 %
-/// slower; the strides come as scalars (call FC: no change in speed, one less global load per
-/// stride and block).
+/// slower.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 // `if comptime!(..) { if runtime {..} }` stays nested (see `flash_bwd_dkdv_mma`).
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
@@ -3439,21 +3432,6 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     scale: f32,
     seq_len: u32,
     group: u32,
-    q_batch_stride: u32,
-    q_head_stride: u32,
-    q_row_stride: u32,
-    do_batch_stride: u32,
-    do_head_stride: u32,
-    do_row_stride: u32,
-    lse_batch_stride: u32,
-    lse_head_stride: u32,
-    lse_row_stride: u32,
-    dl_batch_stride: u32,
-    dl_head_stride: u32,
-    dl_row_stride: u32,
-    dq_batch_stride: u32,
-    dq_head_stride: u32,
-    dq_row_stride: u32,
     #[comptime] d: usize,
     #[comptime] nv: usize,
     #[comptime] warps: usize,
@@ -3487,23 +3465,6 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     let wk0 = k0 + krow;
     let qcol = (warp % 2) * comptime!(bq / 2);
     let col0 = (warp % 2) * comptime!(d / 2);
-    // Strides in elements, from the constant bank (see `copy_qdo_async` for why not
-    // `stride()`).
-    let q_bs = q_batch_stride as usize;
-    let q_hs = q_head_stride as usize;
-    let q_rs = q_row_stride as usize;
-    let do_bs = do_batch_stride as usize;
-    let do_hs = do_head_stride as usize;
-    let do_rs = do_row_stride as usize;
-    let lse_bs = lse_batch_stride as usize;
-    let lse_hs = lse_head_stride as usize;
-    let lse_rs = lse_row_stride as usize;
-    let dl_bs = dl_batch_stride as usize;
-    let dl_hs = dl_head_stride as usize;
-    let dl_rs = dl_row_stride as usize;
-    let dq_bs = dq_batch_stride as usize;
-    let dq_hs = dq_head_stride as usize;
-    let dq_rs = dq_row_stride as usize;
 
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
@@ -3530,31 +3491,8 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     );
     let heads_q = CUBE_COUNT_X as usize * grp;
 
-    stage_tile::<F, N>(
-        k,
-        (b * k.stride(0) + hk * k.stride(1)) / nv,
-        k.stride(2) / nv,
-        k0,
-        seq,
-        &mut ks,
-        bk,
-        d,
-        ldt,
-        nv,
-        nthreads,
-    );
-    stage_tile::<F, N>(
-        v,
-        (b * v.stride(0) + hk * v.stride(1)) / nv,
-        v.stride(2) / nv,
-        k0,
-        seq,
-        &mut vs,
-        bk,
-        d,
-        ldt,
-        nv,
-        nthreads,
+    stage_kv::<F, N>(
+        k, v, &mut ks, &mut vs, b, hk, k0, seq, bk, d, ldt, nv, nthreads,
     );
     // One phase per block, as in `flash_bwd_dkdv_mma_cp`.
     let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
@@ -3580,14 +3518,8 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
         &mut dos,
         &mut lse_s,
         &mut delta_s,
-        (b * q_bs + h_first * q_hs) / nv,
-        q_rs / nv,
-        (b * do_bs + h_first * do_hs) / nv,
-        do_rs / nv,
-        b * lse_bs + h_first * lse_hs,
-        lse_rs,
-        b * dl_bs + h_first * dl_hs,
-        dl_rs,
+        b,
+        h_first,
         qb_start * bq,
         seq,
         0usize,
@@ -3623,14 +3555,8 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 &mut dos,
                 &mut lse_s,
                 &mut delta_s,
-                (b * q_bs + (h_first + next_h_off) * q_hs) / nv,
-                q_rs / nv,
-                (b * do_bs + (h_first + next_h_off) * do_hs) / nv,
-                do_rs / nv,
-                b * lse_bs + (h_first + next_h_off) * lse_hs,
-                lse_rs,
-                b * dl_bs + (h_first + next_h_off) * dl_hs,
-                dl_rs,
+                b,
+                h_first + next_h_off,
                 (qb_start + next_blk) * bq,
                 seq,
                 bq - qrow0,
@@ -3772,12 +3698,8 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
                 nv,
             );
         }
-        let mut dq_at = b * dq_bs + h * dq_hs;
-        if comptime!(bulk_dq) {
-            dq_at = dq_chunk_offset(b, h, q0, heads_q, n_qb, bq, d);
-        }
         fused_dq_apply::<F, N>(
-            &dss, 0usize, &ks, dq_acc, &mut dqs, dq_at, dq_rs, q0, seq, warp, lane, r_lo, r_hi,
+            &dss, 0usize, &ks, dq_acc, &mut dqs, b, h, heads_q, q0, seq, warp, lane, r_lo, r_hi,
             c_lo, warps, bq, d, ldt, nv, dq_mt, bulk_dq,
         );
         blk = next_blk;
@@ -4436,17 +4358,6 @@ fn bulk_dq_enabled<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
 /// Threads per cube of [`flash_dq_convert`].
 const CONVERT_THREADS: usize = 256;
 
-/// Stride `dim` of `t` in elements, as a kernel's `u32` scalar argument.
-///
-/// # Panics
-/// If it does not fit (no tensor the flash kernels index with 32-bit offsets has one).
-fn stride_u32<R: CubeRuntime>(t: &CubeTensor<R>, dim: usize) -> u32 {
-    let stride = t.meta.strides()[dim];
-    u32::try_from(stride).unwrap_or_else(|_| {
-        panic!("flash attention backward (Mma): stride {stride} of dim {dim} exceeds u32")
-    })
-}
-
 /// Launches the Mma backward: writes `dq`, `dk`, `dv` (allocated by the caller in `layout`; the
 /// kernels write through their strides) from the forward's inputs, `d_o`, `lse` and
 /// `delta = rowsum(dO * O)`.
@@ -4555,22 +4466,6 @@ pub(super) fn launch_backward<R: CubeRuntime>(
                 scale,
                 seq as u32,
                 group as u32,
-                stride_u32(&q, 0),
-                stride_u32(&q, 1),
-                stride_u32(&q, 2),
-                stride_u32(&d_o, 0),
-                stride_u32(&d_o, 1),
-                stride_u32(&d_o, 2),
-                stride_u32(&lse, 0),
-                stride_u32(&lse, 1),
-                stride_u32(&lse, 2),
-                stride_u32(&delta, 0),
-                stride_u32(&delta, 1),
-                stride_u32(&delta, 2),
-                // The chunked accumulator has no rows (`dq_chunk_offset` instead).
-                if bulk_dq { 0 } else { stride_u32(&dq_acc, 0) },
-                if bulk_dq { 0 } else { stride_u32(&dq_acc, 1) },
-                if bulk_dq { 0 } else { stride_u32(&dq_acc, 2) },
                 head_dim,
                 nv,
                 tiling.warps,
