@@ -2747,11 +2747,10 @@ pub(super) mod bulk_reduce_add_f32 {
 /// atomics.
 ///
 /// With `bulk`, `dq_acc` is in the chunked fragment order of [`dq_chunk_pos`] instead (one
-/// dimension, no rows): the warp stores its tile to its
-/// part of `dqs` (`bq x d` f32 for the cube) and adds it with one [`bulk_reduce_add_f32`].
-/// The warp's previous reduction must have read `dqs` by then: its lane 0 waits for that
-/// first (a block's work later, it has). The kernel must `tma_group_wait_read(0)` before it
-/// ends.
+/// dimension, no rows): the warp stores its tile to its part of `dqs` (`bq x d` f32 for the
+/// cube) and adds it with one [`bulk_reduce_add_f32`]. The warp's previous reduction must have
+/// read `dqs` by then: its lane 0 waits for that first (a block's work later, it has; call FM:
+/// the wait costs nothing). The kernel must `tma_group_wait_read(0)` before it ends.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fused_dq_apply<F: Float, N: Size>(
