@@ -63,7 +63,8 @@ use std::sync::Mutex;
 #[path = "flash_mma.rs"]
 pub mod flash_mma;
 pub use flash_mma::{
-    MmaBwdPipe, MmaBwdTiling, MmaDq, MmaTiling, deterministic, mma_async_supported, mma_bwd_tiling,
+    BULK_REDUCE_BUILT, FLASH_BULK_DQ_ENV, MmaBwdPipe, MmaBwdTiling, MmaDq, MmaTiling,
+    bulk_dq_supported, bulk_dq_used, deterministic, mma_async_supported, mma_bwd_tiling,
     mma_fragment_probe, mma_supported, mma_tiling, pair_atomics_supported, set_deterministic,
     set_mma_bwd_tiling, set_mma_tiling,
 };

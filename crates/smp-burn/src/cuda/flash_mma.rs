@@ -2680,7 +2680,7 @@ fn dq_chunk_pos(
 /// Whether this build can issue Hopper's bulk asynchronous reduction
 /// ([`bulk_reduce_add_f32`]): with the workspace's `vendor/cubecl-ir` and `vendor/cubecl-cpp`,
 /// which add the operation (`build.rs` detects them); not with upstream CubeCL 0.10.
-pub(super) const BULK_REDUCE_BUILT: bool = cfg!(cubecl_bulk_reduce);
+pub const BULK_REDUCE_BUILT: bool = cfg!(cubecl_bulk_reduce);
 
 /// Adds `bytes` bytes of f32 from `src` (from element `src_offset`) into `dst` (from element
 /// `dst_offset`), offsets in units of each buffer's own item type, by one
@@ -4313,7 +4313,7 @@ fn flash_dq_convert_chunks<F: Float>(
     }
 }
 
-/// Environment variable that turns the bulk dQ reduction off (`0`) or on (`1`, the default
+/// Environment variable that turns the bulk dQ reduction off (`0`; `1`, the default, uses it
 /// where [`bulk_dq_supported`]); for measuring the difference.
 pub const FLASH_BULK_DQ_ENV: &str = "SMP_BURN_FLASH_BULK_DQ";
 
@@ -4329,29 +4329,21 @@ pub fn bulk_dq_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
             .contains(cubecl::ir::features::Tma::Base)
 }
 
-/// [`bulk_dq_supported`] unless [`FLASH_BULK_DQ_ENV`] is `0` (read once).
+/// Whether the backward with `tiling` adds its dQ by bulk reductions, where `supported`
+/// ([`bulk_dq_supported`], or for a log without a CubeCL client: [`BULK_REDUCE_BUILT`] and
+/// sm_90+): the tilings whose dQ tiles span whole chunks (the warp grid, or the `cp.async`
+/// kernel's deferred dQ), unless [`FLASH_BULK_DQ_ENV`] is `0` (read once). The launch and the
+/// trainer's log both ask this.
 ///
 /// # Panics
-/// If the variable holds anything but `0` or `1`, or `1` where the bulk dQ is not supported.
-fn bulk_dq_enabled<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
-    static WANTED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let wanted = *WANTED.get_or_init(|| match std::env::var(FLASH_BULK_DQ_ENV) {
-        Err(_) => None,
-        Ok(v) => match v.trim() {
-            "0" => Some(false),
-            "1" => Some(true),
-            other => panic!("{FLASH_BULK_DQ_ENV}={other:?}: expected 0 or 1"),
-        },
-    });
-    let supported = bulk_dq_supported(client);
-    match wanted {
-        Some(true) if !supported => panic!(
-            "{FLASH_BULK_DQ_ENV}=1, but the bulk dQ needs sm_90 and a build with the \
-             workspace's vendored CubeCL (built with it: {BULK_REDUCE_BUILT})"
-        ),
-        Some(w) => w,
-        None => supported,
-    }
+/// If the variable holds anything but `1`, `0`, `true`, `false` or nothing.
+pub fn bulk_dq_used(tiling: MmaBwdTiling, supported: bool) -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let wanted = *WANTED.get_or_init(|| env_switch(FLASH_BULK_DQ_ENV, true));
+    let whole_chunks = tiling.dq == MmaDq::Atomic
+        && tiling.pipe == MmaBwdPipe::Async
+        && (tiling.warp_grid || defer_fused_dq());
+    supported && wanted && whole_chunks
 }
 
 /// Threads per cube of [`flash_dq_convert`].
@@ -4403,19 +4395,19 @@ pub(super) fn launch_backward<R: CubeRuntime>(
         );
     }
     let n_kblocks = seq.div_ceil(tiling.keys()) as u32;
-    // The f32 dQ accumulator of the fused scheme; a 1-element placeholder otherwise (the
-    // kernel's comptime `fused` removes every access to it). In dq's layout: both are dense
-    // with the same strides, so `flash_dq_convert`'s flat index `i` is the same element in
-    // both.
     // The bulk dQ (`fused_dq_apply`) needs the warp grid or the deferred dQ of the `cp.async`
     // kernel, whose dQ tiles span whole chunks.
     let defer_dq = fused && async_copy && !tiling.warp_grid && defer_fused_dq();
-    let bulk_dq = fused && async_copy && (tiling.warp_grid || defer_dq) && bulk_dq_enabled(&client);
+    let bulk_dq = async_copy && bulk_dq_used(tiling, bulk_dq_supported(&client));
     let dq_mt = if tiling.warp_grid || defer_dq {
         dq_m_tiles(tiling.warps, tiling.inner, head_dim)
     } else {
         1
     };
+    // The f32 dQ accumulator of the fused scheme; a 1-element placeholder otherwise (the
+    // kernel's comptime `fused` removes every access to it). In dq's layout: both are dense
+    // with the same strides, so `flash_dq_convert`'s flat index `i` is the same element in
+    // both.
     let dq_acc = if bulk_dq {
         // Chunks of `bq x d` per (batch, head, query block), rows past `seq` included.
         let chunks = batch * heads_q * seq.div_ceil(tiling.inner);
@@ -4848,6 +4840,20 @@ mod tests {
         // The warp grid exists only with the fused dQ and cp.async.
         assert_eq!(MmaBwdTiling::parse("8x64-split-cp-vd-wg"), None);
         assert_eq!(MmaBwdTiling::parse("8x64-atomic-wg"), None);
+    }
+
+    /// The bulk dQ runs only where supported, and only for the tilings whose warps own whole
+    /// chunks: the defaults of both head dims, not the split ones.
+    #[test]
+    fn bulk_dq_only_for_whole_chunk_tilings() {
+        for tiling in MmaBwdTiling::ALL {
+            assert!(!bulk_dq_used(tiling, false), "{tiling}");
+        }
+        assert!(bulk_dq_used(MmaBwdTiling::DEFAULT_HD128, true));
+        assert!(bulk_dq_used(MmaBwdTiling::DEFAULT_HD64, true));
+        assert!(!bulk_dq_used(MmaBwdTiling::DEFAULT, true));
+        let split = MmaBwdTiling::parse("4x64-split-cp-vd").expect("listed");
+        assert!(!bulk_dq_used(split, true));
     }
 
     /// Where the workspace vendors cubecl-ir, smp-burn must have been built against it (its

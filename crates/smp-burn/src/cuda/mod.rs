@@ -101,12 +101,18 @@ pub fn attention_backward_summary(head_dim: usize) -> String {
     // (`flash::pair_atomics_supported`) from sm_90 on.
     let pair_atomics = cuda_compute_capability(0).is_some_and(|(major, _)| major >= 9);
     let tiling = flash::mma_bwd_tiling(head_dim, pair_atomics);
-    let reproducible = match tiling.dq {
-        flash::MmaDq::Atomic => {
+    // Hopper's copy engine comes with sm_90, as the pair atomics do.
+    let bulk = flash::bulk_dq_used(tiling, flash::BULK_REDUCE_BUILT && pair_atomics);
+    let reproducible = match (tiling.dq, bulk) {
+        (flash::MmaDq::Atomic, true) => {
+            "dQ summed by bulk asynchronous reductions, not bitwise reproducible; \
+             SMP_BURN_DETERMINISTIC=1 for the deterministic kernels"
+        }
+        (flash::MmaDq::Atomic, false) => {
             "dQ summed with atomics, not bitwise reproducible; SMP_BURN_DETERMINISTIC=1 for \
              the deterministic kernels"
         }
-        flash::MmaDq::Split => "deterministic",
+        (flash::MmaDq::Split, _) => "deterministic",
     };
     format!("attention backward (head dim {head_dim}): {tiling}, {reproducible}")
 }
