@@ -751,7 +751,7 @@ fn offload() -> bool {
     ok
 }
 
-/// Median seconds per call of `f` over `iters` calls, each followed by a device sync.
+/// Mean seconds per call of `f` over `iters` calls issued back to back and one device sync.
 fn time(iters: usize, f: impl FnMut()) -> f64 {
     time_and_issue(iters, f).0
 }

@@ -417,6 +417,7 @@ fn run(cli: Cli) -> Result<(), DynError> {
         if cli.deterministic {
             smp_burn::cuda::flash::set_deterministic(Some(true));
         }
+        tracing::info!("{}", smp_burn::cuda::gemm::gemm_ordering_summary()?);
         // A Hugging Face checkpoint's head dim is known only once it is read; presets now.
         if config.init_from_hf.is_none()
             && let Ok(model) = llama::LlamaConfig::preset(&config.model)

@@ -71,4 +71,10 @@ fn main() {
     if std::env::var_os("DEP_CUBECL_IR_SMP_BURN_BULK_REDUCE_ADD_F32").is_some() {
         println!("cargo:rustc-cfg=cubecl_bulk_reduce");
     }
+    // vendor/cubecl-cuda announces `CudaServer::launch_stream` the same way.
+    println!("cargo:rustc-check-cfg=cfg(cubecl_launch_stream)");
+    println!("cargo:rerun-if-env-changed=DEP_CUBECL_CUDA_SMP_BURN_LAUNCH_STREAM");
+    if std::env::var_os("DEP_CUBECL_CUDA_SMP_BURN_LAUNCH_STREAM").is_some() {
+        println!("cargo:rustc-cfg=cubecl_launch_stream");
+    }
 }

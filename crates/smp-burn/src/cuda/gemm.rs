@@ -48,6 +48,29 @@ struct GemmEngine {
     blas: CudaBlas,
     /// [`WAIT_PTX`]'s kernel, loaded in the bridge's context.
     wait: ds::CUfunction,
+    /// One cuBLAS handle per Burn stream the GEMMs were issued on ([`GemmOrdering::Stream`]):
+    /// a handle's workspace must not be shared by GEMMs that may run at the same time on
+    /// different streams. Kept for the process's lifetime, as the engine is.
+    stream_handles: RefCell<Vec<(ds::CUstream, cbs::cublasHandle_t)>>,
+}
+
+impl GemmEngine {
+    /// The cuBLAS handle that issues on `stream`, created on first use.
+    #[cfg_attr(not(cubecl_launch_stream), allow(dead_code))]
+    fn handle_on(&self, stream: ds::CUstream) -> Result<cbs::cublasHandle_t, SmpError> {
+        let mut handles = self.stream_handles.borrow_mut();
+        if let Some((_, h)) = handles.iter().find(|(s, _)| *s == stream) {
+            return Ok(*h);
+        }
+        self.bridge.bind()?;
+        let handle = cbr::create_handle().map_err(|e| cuda_err("cublasCreate", e))?;
+        // SAFETY: a live handle and a stream of the same context (CubeCL's, the device's
+        // primary context, which `bind` made current).
+        unsafe { cbr::set_stream(handle, stream as _) }
+            .map_err(|e| cuda_err("cublasSetStream", e))?;
+        handles.push((stream, handle));
+        Ok(handle)
+    }
 }
 
 /// One thread that spins until `*flag - value`, as a signed 32-bit difference, is no longer
@@ -110,7 +133,12 @@ fn engine(device: usize) -> Result<Rc<GemmEngine>, SmpError> {
             )
             .map_err(|e| cuda_err("cuModuleGetFunction", e))?
         };
-        let e = Rc::new(GemmEngine { bridge, blas, wait });
+        let e = Rc::new(GemmEngine {
+            bridge,
+            blas,
+            wait,
+            stream_handles: RefCell::new(Vec::new()),
+        });
         m.borrow_mut().insert(device, e.clone());
         Ok(e)
     })
@@ -207,9 +235,20 @@ fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
             .or_insert_with(|| DeviceHandle::new(CudaDevice { index: device }.to_id()))
             .clone()
     });
-    let use_signal = match gemm_ordering() {
+    let ordering = gemm_ordering();
+    if ordering == GemmOrdering::Stream {
+        // Burn's stream for this thread: its kernels and these GEMMs then run in issue order.
+        let stream = StreamId::current();
+        handle.submit(move |server| {
+            if let Err(e) = issue_on_launch_stream(server, device, dt, stream, &calls) {
+                note_async_error(device, e);
+            }
+        });
+        return;
+    }
+    let use_signal = match ordering {
         GemmOrdering::Signal => true,
-        GemmOrdering::Context => false,
+        GemmOrdering::Context | GemmOrdering::Stream => false,
         GemmOrdering::Auto => super::collectives_issued(device),
     };
     let signal = use_signal.then(|| device_signal(device));
@@ -221,13 +260,18 @@ fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
     let after = guard.as_mut().map(|s| s.signal());
     handle.submit(move |server| {
         if let Err(e) = issue_on_server(server, device, dt, after, &calls) {
-            let mut errors = ASYNC_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
-            if !errors.iter().any(|(d, _)| *d == device) {
-                errors.push((device, e.to_string()));
-            }
+            note_async_error(device, e);
         }
     });
     drop(guard);
+}
+
+/// Keeps the first asynchronous GEMM failure on `device` for [`async_error`].
+fn note_async_error(device: usize, e: SmpError) {
+    let mut errors = ASYNC_ERRORS.lock().unwrap_or_else(|e| e.into_inner());
+    if !errors.iter().any(|(d, _)| *d == device) {
+        errors.push((device, e.to_string()));
+    }
 }
 
 /// How a GEMM batch waits for the Burn kernels before it.
@@ -245,18 +289,79 @@ enum GemmOrdering {
     /// flight on the comm streams, which serializes FSDP's prefetched all-gathers and
     /// overlapped reduce-scatters with the compute they were meant to run beside.
     Context,
+    /// The GEMMs run on Burn's own stream (`CudaServer::launch_stream`, which only the
+    /// workspace's vendor/cubecl-cuda has): no crossing at all, so neither the GPU's idle time
+    /// at each event (5-13 us, session 12) nor a wait for the comm streams. The default where
+    /// built ([`LAUNCH_STREAM_BUILT`]).
+    Stream,
 }
 
-/// `SMP_BURN_GEMM_ORDER=context` or `=signal` forces [`GemmOrdering::Context`] or
-/// [`GemmOrdering::Signal`] (for measuring the difference); the default is
-/// [`GemmOrdering::Auto`].
+/// Whether this build can issue the GEMMs on Burn's own CUDA stream ([`GemmOrdering::Stream`]):
+/// with the workspace's vendor/cubecl-cuda (`build.rs` detects it), not with upstream CubeCL
+/// 0.10, which keeps its streams private.
+pub const LAUNCH_STREAM_BUILT: bool = cfg!(cubecl_launch_stream);
+
+/// Environment variable that picks how GEMMs are ordered with Burn's kernels: `stream`,
+/// `context`, `signal` or `auto` (see [`GemmOrdering`]; for measuring the difference). The
+/// default is `stream` where [`LAUNCH_STREAM_BUILT`], else `auto`.
+pub const GEMM_ORDER_ENV: &str = "SMP_BURN_GEMM_ORDER";
+
 fn gemm_ordering() -> GemmOrdering {
     static ORDER: std::sync::OnceLock<GemmOrdering> = std::sync::OnceLock::new();
-    *ORDER.get_or_init(|| match std::env::var("SMP_BURN_GEMM_ORDER").as_deref() {
-        Ok("context") => GemmOrdering::Context,
-        Ok("signal") => GemmOrdering::Signal,
-        _ => GemmOrdering::Auto,
+    *ORDER.get_or_init(|| {
+        let value = std::env::var(GEMM_ORDER_ENV).ok();
+        parse_gemm_ordering(value.as_deref(), LAUNCH_STREAM_BUILT).unwrap_or_else(|e| panic!("{e}"))
     })
+}
+
+/// How this process orders its cuBLAS GEMMs with Burn's kernels, for the trainer's log (read
+/// from [`GEMM_ORDER_ENV`] as the GEMMs will read it). Why log it: the orderings differ in
+/// speed by a few percent of a step, and only the stream one needs the workspace's vendored
+/// CubeCL.
+///
+/// # Errors
+/// [`SmpError::Config`] naming a bad value of the variable, before any GEMM runs.
+pub fn gemm_ordering_summary() -> Result<String, SmpError> {
+    let value = std::env::var(GEMM_ORDER_ENV).ok();
+    let ordering = parse_gemm_ordering(value.as_deref(), LAUNCH_STREAM_BUILT)?;
+    Ok(match ordering {
+        GemmOrdering::Stream => "cuBLAS GEMMs run on Burn's CUDA stream",
+        GemmOrdering::Auto => {
+            "cuBLAS GEMMs run on a stream of their own, ordered by context events (by signal \
+             kernels once collectives run)"
+        }
+        GemmOrdering::Context => {
+            "cuBLAS GEMMs run on a stream of their own, ordered by context events"
+        }
+        GemmOrdering::Signal => {
+            "cuBLAS GEMMs run on a stream of their own, ordered by signal kernels"
+        }
+    }
+    .to_string())
+}
+
+/// [`GEMM_ORDER_ENV`]'s value (`None`: unset) as an ordering, where `launch_stream` says
+/// whether [`GemmOrdering::Stream`] is built.
+fn parse_gemm_ordering(value: Option<&str>, launch_stream: bool) -> Result<GemmOrdering, SmpError> {
+    let default = if launch_stream {
+        GemmOrdering::Stream
+    } else {
+        GemmOrdering::Auto
+    };
+    match value {
+        None | Some("") => Ok(default),
+        Some("auto") => Ok(GemmOrdering::Auto),
+        Some("context") => Ok(GemmOrdering::Context),
+        Some("signal") => Ok(GemmOrdering::Signal),
+        Some("stream") if launch_stream => Ok(GemmOrdering::Stream),
+        Some("stream") => Err(SmpError::Config(format!(
+            "{GEMM_ORDER_ENV}=stream needs the workspace's vendor/cubecl-cuda (this build uses \
+             upstream cubecl-cuda, which keeps its streams private); use auto, context or signal"
+        ))),
+        Some(other) => Err(SmpError::Config(format!(
+            "{GEMM_ORDER_ENV}={other:?}: expected stream, auto, context or signal"
+        ))),
+    }
 }
 
 mod signal {
@@ -338,17 +443,6 @@ fn issue_on_server(
             .map(|r| (r.resource().ptr, r))
             .map_err(|e| cuda_err("resolving a Burn buffer for cuBLAS", e))
     };
-    let op = |t: bool| {
-        if t {
-            cbs::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            cbs::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
-    let dim = |v: usize| {
-        i32::try_from(v).map_err(|_| SmpError::Cuda(format!("GEMM dimension {v} exceeds i32")))
-    };
-    let (alpha, overwrite, add) = (1.0f32, 0.0f32, 1.0f32);
     match after {
         Some((flag, epoch)) => {
             let (flag, _guard) = ptr(&flag)?;
@@ -375,6 +469,76 @@ fn issue_on_server(
         }
         None => e.bridge.server_to_comm()?,
     }
+    issue_gemms(*e.blas.handle(), dt, calls, &mut ptr)?;
+    // Kernels launched after this (by the server, in queue order) wait for the GEMMs, so the
+    // operands' memory may be reused once the bindings drop.
+    e.bridge.comm_to_burn()
+}
+
+/// Runs on the server thread: issues the GEMMs on the CUDA stream of Burn's `stream`
+/// ([`GemmOrdering::Stream`]), after the waits a kernel launch there would get.
+#[cfg(cubecl_launch_stream)]
+fn issue_on_launch_stream(
+    server: &mut CudaServer,
+    device: usize,
+    dt: cbs::cudaDataType,
+    stream: StreamId,
+    calls: &[GemmCall],
+) -> Result<(), SmpError> {
+    let e = engine(device)?;
+    let bindings = calls
+        .iter()
+        .flat_map(|c| [&c.a.binding, &c.b.binding, &c.c.binding]);
+    let cu_stream = server
+        .launch_stream(stream, bindings)
+        .map_err(|err| cuda_err("resolving Burn's stream for cuBLAS", err))?;
+    let handle = e.handle_on(cu_stream)?;
+    e.bridge.bind()?;
+    let mut ptr = |binding: &Binding| {
+        server
+            .get_resource(binding.clone(), stream)
+            .map(|r| (r.resource().ptr, r))
+            .map_err(|e| cuda_err("resolving a Burn buffer for cuBLAS", e))
+    };
+    // Later kernels on the stream follow the GEMMs, so the operands' memory may be reused once
+    // the bindings drop.
+    issue_gemms(handle, dt, calls, &mut ptr)
+}
+
+/// Without vendor/cubecl-cuda [`GemmOrdering::Stream`] is refused when parsed; never called.
+#[cfg(not(cubecl_launch_stream))]
+fn issue_on_launch_stream(
+    _server: &mut CudaServer,
+    _device: usize,
+    _dt: cbs::cudaDataType,
+    _stream: StreamId,
+    _calls: &[GemmCall],
+) -> Result<(), SmpError> {
+    Err(SmpError::Config(format!(
+        "{GEMM_ORDER_ENV}=stream needs the workspace's vendor/cubecl-cuda"
+    )))
+}
+
+/// Issues `calls` with cuBLAS `handle` (bound to the stream they must run on), resolving each
+/// operand's device address with `ptr`, which also returns a guard that keeps the buffer
+/// alive until the call is issued.
+fn issue_gemms<G>(
+    handle: cbs::cublasHandle_t,
+    dt: cbs::cudaDataType,
+    calls: &[GemmCall],
+    ptr: &mut impl FnMut(&Binding) -> Result<(u64, G), SmpError>,
+) -> Result<(), SmpError> {
+    let op = |t: bool| {
+        if t {
+            cbs::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cbs::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let dim = |v: usize| {
+        i32::try_from(v).map_err(|_| SmpError::Cuda(format!("GEMM dimension {v} exceeds i32")))
+    };
+    let (alpha, overwrite, add) = (1.0f32, 0.0f32, 1.0f32);
     for c in calls {
         let ((a, _ga), (b, _gb), (out, _gc)) =
             (ptr(&c.a.binding)?, ptr(&c.b.binding)?, ptr(&c.c.binding)?);
@@ -384,7 +548,7 @@ fn issue_on_server(
         // handle's own, ordered after every kernel launched so far.
         unsafe {
             cbr::gemm_ex(
-                *e.blas.handle(),
+                handle,
                 op(c.trans_a),
                 op(c.trans_b),
                 dim(c.m)?,
@@ -407,9 +571,7 @@ fn issue_on_server(
             .map_err(|err| cuda_err("cublasGemmEx", err))?;
         }
     }
-    // Kernels launched after this (by the server, in queue order) wait for the GEMMs, so the
-    // operands' memory may be reused once the bindings drop.
-    e.bridge.comm_to_burn()
+    Ok(())
 }
 
 /// Rows (product of the leading dimensions) and columns (the last) of a tensor.
@@ -621,4 +783,58 @@ pub fn linear_plain<const D: usize>(
 ) -> Tensor<CudaCube, D> {
     let y = linear_forward(x.into_primitive().tensor(), w.into_primitive().tensor());
     Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where the workspace vendors cubecl-cuda, smp-burn must have been built against it (its
+    /// `[patch.crates-io]` entry): otherwise every GEMM batch silently crosses streams through
+    /// two context events again.
+    #[test]
+    fn workspace_build_has_the_launch_stream() {
+        let vendored = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../vendor/cubecl-cuda")
+            .is_dir();
+        assert!(
+            !vendored || LAUNCH_STREAM_BUILT,
+            "vendor/cubecl-cuda exists but smp-burn was built against another cubecl-cuda (is \
+             its [patch.crates-io] entry in the workspace Cargo.toml?)"
+        );
+    }
+
+    /// The stream ordering is the default only where it is built, is refused (naming the
+    /// reason) where it is not, and anything but the four names is refused with the value.
+    #[test]
+    fn gemm_ordering_reads_only_known_values() {
+        for built in [true, false] {
+            let default = if built {
+                GemmOrdering::Stream
+            } else {
+                GemmOrdering::Auto
+            };
+            assert_eq!(parse_gemm_ordering(None, built).unwrap(), default);
+            assert_eq!(parse_gemm_ordering(Some(""), built).unwrap(), default);
+            for (name, ordering) in [
+                ("auto", GemmOrdering::Auto),
+                ("context", GemmOrdering::Context),
+                ("signal", GemmOrdering::Signal),
+            ] {
+                assert_eq!(parse_gemm_ordering(Some(name), built).unwrap(), ordering);
+            }
+            let err = parse_gemm_ordering(Some("events"), built)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("\"events\""), "{err}");
+        }
+        assert_eq!(
+            parse_gemm_ordering(Some("stream"), true).unwrap(),
+            GemmOrdering::Stream
+        );
+        let err = parse_gemm_ordering(Some("stream"), false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("vendor/cubecl-cuda"), "{err}");
+    }
 }
