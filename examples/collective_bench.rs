@@ -41,7 +41,12 @@ struct Args {
     profile: bool,
 }
 
-fn parse_args() -> Args {
+/// The flags, for `--help` and after a bad one.
+const USAGE: &str =
+    "usage: collective_bench [--max-mib N] [--iters N] [--world N] [--no-overlap] [--profile]";
+
+/// The command line as [`Args`]; `Err` names the flag and the value it could not use.
+fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     let mut a = Args {
         max_mib: 1024,
         iters: 20,
@@ -49,23 +54,25 @@ fn parse_args() -> Args {
         overlap: true,
         profile: false,
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = argv.into_iter();
     while let Some(flag) = it.next() {
-        let mut value = || -> usize {
-            it.next()
+        let mut value = || -> Result<usize, String> {
+            let v = it.next();
+            v.as_deref()
                 .and_then(|s| s.parse().ok())
-                .unwrap_or_else(|| panic!("{flag} needs a number"))
+                .filter(|&n: &usize| n > 0)
+                .ok_or(format!("{flag} takes a positive number, got {v:?}"))
         };
         match flag.as_str() {
-            "--max-mib" => a.max_mib = value(),
-            "--iters" => a.iters = value(),
-            "--world" => a.world = Some(value()),
+            "--max-mib" => a.max_mib = value()?,
+            "--iters" => a.iters = value()?,
+            "--world" => a.world = Some(value()?),
             "--no-overlap" => a.overlap = false,
             "--profile" => a.profile = true,
-            other => panic!("unknown flag {other}"),
+            other => return Err(format!("unknown flag {other:?}")),
         }
     }
-    a
+    Ok(a)
 }
 
 fn busbw(op: &str, bytes: usize, n: usize, secs: f64) -> f64 {
@@ -408,7 +415,15 @@ fn print_table(rows: &[Row]) {
 }
 
 fn main() {
-    let args = parse_args();
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    if argv.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return;
+    }
+    let args = parse_args(argv).unwrap_or_else(|e| {
+        eprintln!("collective_bench: {e}\n{USAGE}");
+        std::process::exit(2);
+    });
     let gpus = cuda_device_count();
     if gpus == 0 {
         eprintln!("collective_bench: no CUDA device (or no libcuda) on this machine");

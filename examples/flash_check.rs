@@ -83,7 +83,13 @@ struct Args {
     bench_batch: Option<usize>,
 }
 
-fn parse_args() -> Args {
+/// The flags, for `--help` and after a bad one.
+const USAGE: &str = "usage: flash_check [--quick] [--no-bench] [--no-check] [--variant plain|cmma|mma] \
+[--mma-tiling LIST|all] [--mma-bwd-tiling LIST|all] [--iters N] [--head-dim 64|128] \
+[--lens L1,L2,..] [--batch N|micro]  (see the file's doc comment)";
+
+/// The command line as [`Args`]; `Err` names the flag and the value it could not use.
+fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     let mut a = Args {
         quick: false,
         bench: true,
@@ -96,88 +102,96 @@ fn parse_args() -> Args {
         bench_lens: None,
         bench_batch: Some(1),
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = argv.into_iter();
     while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
             "--quick" => a.quick = true,
             "--no-bench" => a.bench = false,
             "--no-check" => a.check = false,
             "--variant" => {
-                let name = it.next();
+                let name = value()?;
                 a.variant = Some(
-                    name.as_deref()
-                        .and_then(FlashVariant::parse)
-                        .unwrap_or_else(|| {
-                            panic!("--variant takes plain, cmma or mma, got {name:?}")
-                        }),
+                    FlashVariant::parse(&name)
+                        .ok_or(format!("--variant takes plain, cmma or mma, got {name:?}"))?,
                 )
             }
             "--mma-tiling" => {
-                let name = it.next();
-                a.tilings = match name.as_deref() {
-                    Some("all") => MmaTiling::ALL.to_vec(),
-                    Some(list) => list
-                        .split(',')
+                let list = value()?;
+                a.tilings = if list == "all" {
+                    MmaTiling::ALL.to_vec()
+                } else {
+                    list.split(',')
                         .map(|t| {
-                            MmaTiling::parse(t).unwrap_or_else(|| {
-                                panic!("--mma-tiling takes 4x1, 8x1, 4x2, 8x2 (each optionally -cp or -cp-k32), a comma-separated list of them, or all, got {t:?}")
-                            })
+                            MmaTiling::parse(t).ok_or(format!(
+                                "--mma-tiling takes 4x1, 8x1, 4x2, 8x2 (each optionally -cp or \
+                                 -cp-k32), a comma-separated list of them, or all, got {t:?}"
+                            ))
                         })
-                        .collect(),
-                    None => panic!("--mma-tiling needs a value"),
+                        .collect::<Result<_, _>>()?
                 }
             }
             "--mma-bwd-tiling" => {
-                let name = it.next();
-                a.bwd_tilings = match name.as_deref() {
-                    Some("all") => MmaBwdTiling::ALL.to_vec(),
-                    Some(list) => list
-                        .split(',')
+                let list = value()?;
+                a.bwd_tilings = if list == "all" {
+                    MmaBwdTiling::ALL.to_vec()
+                } else {
+                    list.split(',')
                         .map(|t| {
-                            MmaBwdTiling::parse(t).unwrap_or_else(|| {
+                            MmaBwdTiling::parse(t).ok_or_else(|| {
                                 let names: Vec<String> =
                                     MmaBwdTiling::ALL.iter().map(|t| t.to_string()).collect();
-                                panic!(
-                                    "--mma-bwd-tiling takes one or more (comma-separated) of {} or all, got {t:?}",
+                                format!(
+                                    "--mma-bwd-tiling takes one or more (comma-separated) of {} \
+                                     or all, got {t:?}",
                                     names.join(", ")
                                 )
                             })
                         })
-                        .collect(),
-                    None => panic!("--mma-bwd-tiling needs a value"),
+                        .collect::<Result<_, _>>()?
                 }
             }
             "--iters" => {
-                a.iters = it
-                    .next()
-                    .and_then(|s| s.parse().ok())
-                    .expect("--iters needs a number")
+                let n = value()?;
+                a.iters = n
+                    .parse()
+                    .ok()
+                    .filter(|&n: &usize| n > 0)
+                    .ok_or(format!("--iters takes a positive number, got {n:?}"))?
             }
             "--head-dim" => {
-                a.bench_head_dim = it
-                    .next()
-                    .and_then(|s| s.parse().ok())
+                let d = value()?;
+                a.bench_head_dim = d
+                    .parse()
+                    .ok()
                     .filter(|d| *d == 64 || *d == 128)
-                    .expect("--head-dim takes 64 or 128")
+                    .ok_or(format!("--head-dim takes 64 or 128, got {d:?}"))?
             }
             "--lens" => {
+                let list = value()?;
                 a.bench_lens = Some(
-                    it.next()
-                        .and_then(|s| s.split(',').map(|l| l.parse().ok()).collect())
-                        .expect("--lens takes comma-separated lengths, e.g. 4096,16384"),
+                    list.split(',')
+                        .map(|l| l.parse().ok().filter(|&l: &usize| l > 0))
+                        .collect::<Option<_>>()
+                        .ok_or(format!(
+                            "--lens takes comma-separated positive lengths, e.g. 4096,16384, \
+                             got {list:?}"
+                        ))?,
                 )
             }
             "--batch" => {
-                a.bench_batch = match it.next().as_deref() {
-                    Some("micro") => None,
-                    Some(n) => Some(n.parse().expect("--batch takes a number or `micro`")),
-                    None => panic!("--batch takes a number or `micro`"),
+                let n = value()?;
+                a.bench_batch = match n.as_str() {
+                    "micro" => None,
+                    n => Some(n.parse().ok().filter(|&b: &usize| b > 0).ok_or(format!(
+                        "--batch takes a positive number or micro, got {n:?}"
+                    ))?),
                 }
             }
-            other => panic!("unknown flag {other}"),
+            other => return Err(format!("unknown flag {other:?}")),
         }
     }
-    a
+    Ok(a)
 }
 
 fn prim<const D: usize>(t: Tensor<G, D>) -> Ct {
@@ -604,7 +618,15 @@ fn bench_case(
 }
 
 fn main() {
-    let args = parse_args();
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    if argv.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return;
+    }
+    let args = parse_args(argv).unwrap_or_else(|e| {
+        eprintln!("flash_check: {e}\n{USAGE}");
+        std::process::exit(2);
+    });
     // Keeps the compiled kernels (and their PTX, for `scripts/gpu/ptx_dump.py`) in the user's
     // cache folder, as the trainer does.
     let _ = smp_burn::cuda::configure_kernel_cache();

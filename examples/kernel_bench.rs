@@ -946,6 +946,24 @@ fn main() {
     } else {
         what
     };
+    const PARTS: [&str; 8] = [
+        "check",
+        "xent",
+        "embed",
+        "adamw",
+        "attention",
+        "offload",
+        "gemm",
+        "gemm-fb",
+    ];
+    // All parts are checked before any runs: a typo at the end must not cost a run's minutes.
+    if let Some(bad) = what.iter().find(|w| !PARTS.contains(&w.as_str())) {
+        eprintln!(
+            "kernel_bench: unknown part {bad:?}: use one or more of {}",
+            PARTS.join(", ")
+        );
+        std::process::exit(2);
+    }
     let mut ok = true;
     for w in &what {
         match w.as_str() {
@@ -971,12 +989,7 @@ fn main() {
             "offload" => ok &= offload(),
             "gemm" => gemm(),
             "gemm-fb" => gemm_fb(),
-            other => {
-                eprintln!(
-                    "unknown part {other:?}: use check, attention, xent, embed, adamw, offload, gemm and/or gemm-fb"
-                );
-                std::process::exit(2);
-            }
+            _ => unreachable!("checked against PARTS above"),
         }
     }
     if !ok {
