@@ -5,7 +5,10 @@ copies against the wall time: whether the step is GPU-bound. Also the kernel cou
 ten kernels with the most time."""
 import sqlite3, sys
 con = sqlite3.connect(sys.argv[1])
-names = dict(con.execute("select id, value from StringIds"))
+tables = {r[0] for r in con.execute("select name from sqlite_master where type='table'")}
+if "CUPTI_ACTIVITY_KIND_KERNEL" not in tables:
+    sys.exit(f"no kernel table in {sys.argv[1]}; tables: {sorted(tables)[:40]}")
+names = dict(con.execute("select id, value from StringIds")) if "StringIds" in tables else {}
 ev = [(s, e, names.get(n, str(n))) for s, e, n in con.execute(
     "select start, end, shortName from CUPTI_ACTIVITY_KIND_KERNEL")]
 try:
