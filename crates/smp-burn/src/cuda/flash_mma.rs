@@ -1892,10 +1892,10 @@ fn copy_tile_async<F: Float, N: Size>(
     }
 }
 
-/// Issues the asynchronous copies of the dK/dV kernel's query block at `q0`: Q and dO rows
-/// into rows `qrow0 ..` of `qs` and `dos`, lse and delta into `lse_s[qrow0 ..]`,
-/// `delta_s[qrow0 ..]` (4-byte `cp.async`), with [`bwd_row_stats`]'s values past the end.
-/// of head `h`, batch `b`. The strides come from the tensors' metadata: session 15 passed them
+/// Issues the asynchronous copies of the dK/dV kernel's query block at `q0` of head `h`, batch
+/// `b`: Q and dO rows into rows `qrow0 ..` of `qs` and `dos`, lse and delta into
+/// `lse_s[qrow0 ..]`, `delta_s[qrow0 ..]` (4-byte `cp.async`), with [`bwd_row_stats`]'s values
+/// past the end. The strides come from the tensors' metadata: session 15 passed them
 /// as scalar kernel arguments instead (the compiler reloads `stride()` in the loop, call FB's
 /// SASS: about 18 loads per block), which saved the loads but no time, as they hit L1 (call
 /// FC).
