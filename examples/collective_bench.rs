@@ -57,9 +57,9 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     let mut it = argv.into_iter();
     while let Some(flag) = it.next() {
         let mut value = || -> Result<usize, String> {
-            let v = it.next();
-            v.as_deref()
-                .and_then(|s| s.parse().ok())
+            let v = it.next().ok_or(format!("{flag} takes a positive number"))?;
+            v.parse()
+                .ok()
                 .filter(|&n: &usize| n > 0)
                 .ok_or(format!("{flag} takes a positive number, got {v:?}"))
         };
