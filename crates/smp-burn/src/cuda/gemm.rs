@@ -308,10 +308,13 @@ pub const GEMM_ORDER_ENV: &str = "SMP_BURN_GEMM_ORDER";
 
 fn gemm_ordering() -> GemmOrdering {
     static ORDER: std::sync::OnceLock<GemmOrdering> = std::sync::OnceLock::new();
-    *ORDER.get_or_init(|| {
-        let value = std::env::var(GEMM_ORDER_ENV).ok();
-        parse_gemm_ordering(value.as_deref(), LAUNCH_STREAM_BUILT).unwrap_or_else(|e| panic!("{e}"))
-    })
+    *ORDER.get_or_init(|| ordering_from_env().unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// [`GEMM_ORDER_ENV`] as this build reads it.
+fn ordering_from_env() -> Result<GemmOrdering, SmpError> {
+    let value = std::env::var(GEMM_ORDER_ENV).ok();
+    parse_gemm_ordering(value.as_deref(), LAUNCH_STREAM_BUILT)
 }
 
 /// How this process orders its cuBLAS GEMMs with Burn's kernels, for the trainer's log (read
@@ -322,9 +325,7 @@ fn gemm_ordering() -> GemmOrdering {
 /// # Errors
 /// [`SmpError::Config`] naming a bad value of the variable, before any GEMM runs.
 pub fn gemm_ordering_summary() -> Result<String, SmpError> {
-    let value = std::env::var(GEMM_ORDER_ENV).ok();
-    let ordering = parse_gemm_ordering(value.as_deref(), LAUNCH_STREAM_BUILT)?;
-    Ok(match ordering {
+    Ok(match ordering_from_env()? {
         GemmOrdering::Stream => "cuBLAS GEMMs run on Burn's CUDA stream",
         GemmOrdering::Auto => {
             "cuBLAS GEMMs run on a stream of their own, ordered by context events (by signal \
@@ -437,12 +438,7 @@ fn issue_on_server(
 ) -> Result<(), SmpError> {
     let e = engine(device)?;
     let stream = StreamId::current();
-    let mut ptr = |binding: &Binding| {
-        server
-            .get_resource(binding.clone(), stream)
-            .map(|r| (r.resource().ptr, r))
-            .map_err(|e| cuda_err("resolving a Burn buffer for cuBLAS", e))
-    };
+    let mut ptr = |binding: &Binding| device_ptr(server, binding, stream);
     match after {
         Some((flag, epoch)) => {
             let (flag, _guard) = ptr(&flag)?;
@@ -475,6 +471,20 @@ fn issue_on_server(
     e.bridge.comm_to_burn()
 }
 
+/// The device address of `binding`'s buffer for work on `stream` (CubeCL first makes the stream
+/// wait for the one that last used the buffer, as for a launch), with the guard that keeps the
+/// buffer alive until the GEMM reading it is issued.
+fn device_ptr(
+    server: &mut CudaServer,
+    binding: &Binding,
+    stream: StreamId,
+) -> Result<(u64, impl Sized + use<>), SmpError> {
+    server
+        .get_resource(binding.clone(), stream)
+        .map(|r| (r.resource().ptr, r))
+        .map_err(|e| cuda_err("resolving a Burn buffer for cuBLAS", e))
+}
+
 /// Runs on the server thread: issues the GEMMs on the CUDA stream of Burn's `stream`
 /// ([`GemmOrdering::Stream`]), after the waits a kernel launch there would get.
 #[cfg(cubecl_launch_stream)]
@@ -494,12 +504,7 @@ fn issue_on_launch_stream(
         .map_err(|err| cuda_err("resolving Burn's stream for cuBLAS", err))?;
     let handle = e.handle_on(cu_stream)?;
     e.bridge.bind()?;
-    let mut ptr = |binding: &Binding| {
-        server
-            .get_resource(binding.clone(), stream)
-            .map(|r| (r.resource().ptr, r))
-            .map_err(|e| cuda_err("resolving a Burn buffer for cuBLAS", e))
-    };
+    let mut ptr = |binding: &Binding| device_ptr(server, binding, stream);
     // Later kernels on the stream follow the GEMMs, so the operands' memory may be reused once
     // the bindings drop.
     issue_gemms(handle, dt, calls, &mut ptr)
