@@ -65,16 +65,23 @@ fn main() {
         }
     }
     println!("cargo:rustc-env=SMP_BURN_SOURCE_FINGERPRINT={hash:016x}");
-    // vendor/cubecl-ir announces its bulk reduction (`links` metadata); upstream's does not.
-    println!("cargo:rustc-check-cfg=cfg(cubecl_bulk_reduce)");
-    println!("cargo:rerun-if-env-changed=DEP_CUBECL_IR_SMP_BURN_BULK_REDUCE_ADD_F32");
-    if std::env::var_os("DEP_CUBECL_IR_SMP_BURN_BULK_REDUCE_ADD_F32").is_some() {
-        println!("cargo:rustc-cfg=cubecl_bulk_reduce");
-    }
-    // vendor/cubecl-cuda announces `CudaServer::launch_stream` the same way.
-    println!("cargo:rustc-check-cfg=cfg(cubecl_launch_stream)");
-    println!("cargo:rerun-if-env-changed=DEP_CUBECL_CUDA_SMP_BURN_LAUNCH_STREAM");
-    if std::env::var_os("DEP_CUBECL_CUDA_SMP_BURN_LAUNCH_STREAM").is_some() {
-        println!("cargo:rustc-cfg=cubecl_launch_stream");
+    // The vendored CubeCL crates announce what they add (`links` metadata); upstream's do not.
+    cfg_from_dep(
+        "cubecl_bulk_reduce",
+        "DEP_CUBECL_IR_SMP_BURN_BULK_REDUCE_ADD_F32",
+    );
+    cfg_from_dep(
+        "cubecl_launch_stream",
+        "DEP_CUBECL_CUDA_SMP_BURN_LAUNCH_STREAM",
+    );
+}
+
+/// Sets `cfg(name)` where a direct dependency's build script exported the metadata that cargo
+/// passes here as `dep_var`.
+fn cfg_from_dep(name: &str, dep_var: &str) {
+    println!("cargo:rustc-check-cfg=cfg({name})");
+    println!("cargo:rerun-if-env-changed={dep_var}");
+    if std::env::var_os(dep_var).is_some() {
+        println!("cargo:rustc-cfg={name}");
     }
 }
