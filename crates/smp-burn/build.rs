@@ -70,6 +70,7 @@ fn main() {
         "cubecl_bulk_reduce",
         "DEP_CUBECL_IR_SMP_BURN_BULK_REDUCE_ADD_F32",
     );
+    cfg_from_dep("cubecl_wgmma", "DEP_CUBECL_IR_SMP_BURN_WGMMA");
     cfg_from_dep(
         "cubecl_launch_stream",
         "DEP_CUBECL_CUDA_SMP_BURN_LAUNCH_STREAM",

@@ -36,6 +36,55 @@ pub enum TmaOps {
         offset_out: Variable,
         bytes: Variable,
     },
+    /// smp-burn addition: `wgmma.fence.sync.aligned`. Orders this warpgroup's earlier register
+    /// accesses (the accumulators, the A fragments) before its next `wgmma.mma_async`.
+    WgmmaFence,
+    /// smp-burn addition: `wgmma.commit_group.sync.aligned`.
+    WgmmaCommitGroup,
+    /// smp-burn addition: `wgmma.wait_group.sync.aligned max_pending`: until at most
+    /// `max_pending` committed groups of this warpgroup are still running.
+    WgmmaWaitGroup { max_pending: u32 },
+    /// smp-burn addition: an empty `asm volatile` that reads and writes every register of the
+    /// `accumulators` (arrays, as in `WgmmaSs`), so that the compiler moves no access to them
+    /// across it: after a `WgmmaWaitGroup` (whose asynchronous writes it cannot see) and
+    /// before a `WgmmaFence`.
+    WgmmaFenceOperands { accumulators: Vec<Variable> },
+    /// smp-burn addition: the 64-bit shared-memory matrix descriptor of a `wgmma` operand that
+    /// starts at element `offset_source` of `source` (the instruction's output, a u64).
+    /// `leading_bytes` and `stride_bytes` are the descriptor's leading- and stride-dimension
+    /// byte offsets; `swizzle` its layout type (0 none, 1 128-byte, 2 64-byte, 3 32-byte).
+    WgmmaDescriptor {
+        source: Variable,
+        offset_source: Variable,
+        leading_bytes: u32,
+        stride_bytes: u32,
+        swizzle: u32,
+    },
+    /// smp-burn addition: `wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{bf16|f16}` with A and
+    /// B from shared-memory descriptors. `accumulators` are `n / 8` local arrays of four f32
+    /// each (two vectors of two), the warp's `16 x 8` accumulator tiles in column order; with
+    /// `accumulate` 0 they are overwritten, else added to. `f16` 0 for bf16 inputs.
+    WgmmaSs {
+        desc_a: Variable,
+        desc_b: Variable,
+        n: u32,
+        trans_a: u32,
+        trans_b: u32,
+        accumulate: u32,
+        f16: u32,
+        accumulators: Vec<Variable>,
+    },
+    /// smp-burn addition: as `WgmmaSs`, with A from registers: `a` is a local array holding
+    /// the warp's `16 x 16` A fragment as `mma.sync.m16n8k16` holds it (four 32-bit pairs).
+    WgmmaRs {
+        a: Variable,
+        desc_b: Variable,
+        n: u32,
+        trans_b: u32,
+        accumulate: u32,
+        f16: u32,
+        accumulators: Vec<Variable>,
+    },
 }
 
 impl Display for TmaOps {
@@ -68,6 +117,46 @@ impl Display for TmaOps {
             } => write!(
                 f,
                 "bulk_reduce_add_f32(out + {offset_out}, {source} + {offset_source}, {bytes})"
+            ),
+            TmaOps::WgmmaFence => write!(f, "wgmma_fence()"),
+            TmaOps::WgmmaCommitGroup => write!(f, "wgmma_commit_group()"),
+            TmaOps::WgmmaWaitGroup { max_pending } => write!(f, "wgmma_wait_group::<{max_pending}>()"),
+            TmaOps::WgmmaFenceOperands { accumulators } => {
+                write!(f, "wgmma_fence_operands({} arrays)", accumulators.len())
+            }
+            TmaOps::WgmmaDescriptor {
+                source,
+                offset_source,
+                leading_bytes,
+                stride_bytes,
+                swizzle,
+            } => write!(
+                f,
+                "wgmma_descriptor({source} + {offset_source}, {leading_bytes}, {stride_bytes}, {swizzle})"
+            ),
+            TmaOps::WgmmaSs {
+                desc_a,
+                desc_b,
+                n,
+                accumulate,
+                accumulators,
+                ..
+            } => write!(
+                f,
+                "wgmma_ss::<{n}>({desc_a}, {desc_b}, {accumulate}, {} accumulators)",
+                accumulators.len()
+            ),
+            TmaOps::WgmmaRs {
+                a,
+                desc_b,
+                n,
+                accumulate,
+                accumulators,
+                ..
+            } => write!(
+                f,
+                "wgmma_rs::<{n}>({a}, {desc_b}, {accumulate}, {} accumulators)",
+                accumulators.len()
             ),
         }
     }

@@ -564,7 +564,49 @@ impl Optimizer {
                 visit_read(self, offset_out);
                 visit_read(self, bytes);
             }
-            TmaOps::CommitGroup | TmaOps::WaitGroup { .. } | TmaOps::WaitGroupRead { .. } => {}
+            TmaOps::WgmmaDescriptor {
+                source,
+                offset_source,
+                ..
+            } => {
+                visit_read(self, source);
+                visit_read(self, offset_source);
+            }
+            TmaOps::WgmmaFenceOperands { accumulators } => {
+                for acc in accumulators {
+                    visit_read(self, acc)
+                }
+            }
+            TmaOps::WgmmaSs {
+                desc_a,
+                desc_b,
+                accumulators,
+                ..
+            } => {
+                visit_read(self, desc_a);
+                visit_read(self, desc_b);
+                for acc in accumulators {
+                    visit_read(self, acc)
+                }
+            }
+            TmaOps::WgmmaRs {
+                a,
+                desc_b,
+                accumulators,
+                ..
+            } => {
+                visit_read(self, a);
+                visit_read(self, desc_b);
+                for acc in accumulators {
+                    visit_read(self, acc)
+                }
+            }
+            TmaOps::CommitGroup
+            | TmaOps::WaitGroup { .. }
+            | TmaOps::WaitGroupRead { .. }
+            | TmaOps::WgmmaFence
+            | TmaOps::WgmmaCommitGroup
+            | TmaOps::WgmmaWaitGroup { .. } => {}
         }
     }
 

@@ -118,10 +118,17 @@ use cubecl::ir::{BarrierLevel, ElemType, FloatKind, OpaqueType};
 use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 
+use super::super::wgmma::{
+    SWIZZLE_128B, WGMMA_BUILT, wgmma_commit_group, wgmma_descriptor, wgmma_fence,
+    wgmma_fence_operands, wgmma_rs, wgmma_ss, wgmma_wait_group,
+};
 use super::{FlashLayout, load_tile_regs, stage_tile, store_tile_regs, vector_width};
 
 /// Keys per block of the Mma forward's inner loop.
 pub const MMA_KEYS: usize = 64;
+
+/// Keys per block of the warpgroup-MMA forward: the `n` of its `m64nNk16` score product.
+pub const WGMMA_KEYS: usize = 128;
 
 /// Warps per cube and 16-row m-tiles per warp of the Mma forward, and how it stages K/V: a cube
 /// covers `16 * warps * m_tiles` query rows.
@@ -146,6 +153,10 @@ pub struct MmaTiling {
     /// `m_tiles = 2`), where the 64-key forward sits at 255 registers and spills (session 9,
     /// call DB), at the cost of twice the barriers and row reductions per key.
     pub keys: usize,
+    /// Hopper's warpgroup MMA (`flash_fwd_wgmma`, the `-wg` tiling [`MmaTiling::WGMMA`]): two
+    /// warpgroups of 64 query rows, 128-key blocks, both products by `wgmma` with K and V read
+    /// from swizzled shared memory (sm_90 and the workspace's vendored CubeCL).
+    pub wgmma: bool,
 }
 
 impl MmaTiling {
@@ -166,6 +177,17 @@ impl MmaTiling {
     /// TFLOP/s at 4096 (PyTorch 218) and 278 at 16384 (PyTorch 298).
     pub const DEFAULT_HD64: MmaTiling = MmaTiling::new(4, 2, true);
 
+    /// The warpgroup-MMA forward (`8x1-wg`): 8 warps as two warpgroups of 64 rows (128 query
+    /// rows per cube), 128 keys per block, Q, K and V by `cp.async` into 128-byte-swizzled
+    /// shared memory that `wgmma` reads directly.
+    pub const WGMMA: MmaTiling = MmaTiling {
+        warps: 8,
+        m_tiles: 1,
+        cp_async: true,
+        keys: WGMMA_KEYS,
+        wgmma: true,
+    };
+
     /// The default for `head_dim`: [`MmaTiling::DEFAULT_HD64`] at 64, else
     /// [`MmaTiling::DEFAULT`].
     pub fn default_for(head_dim: usize) -> MmaTiling {
@@ -178,7 +200,7 @@ impl MmaTiling {
 
     /// Every supported tiling, for checks and benchmarks; the `cp.async` ones last (as in
     /// [`MmaBwdTiling::ALL`], so that a failure there leaves the others' results printed).
-    pub const ALL: [MmaTiling; 12] = [
+    pub const ALL: [MmaTiling; 13] = [
         MmaTiling::new(4, 1, false),
         MmaTiling::new(8, 1, false),
         MmaTiling::new(4, 2, false),
@@ -191,6 +213,7 @@ impl MmaTiling {
         MmaTiling::new(8, 1, true).with_keys(32),
         MmaTiling::new(4, 2, true).with_keys(32),
         MmaTiling::new(8, 2, true).with_keys(32),
+        MmaTiling::WGMMA,
     ];
 
     const fn new(warps: usize, m_tiles: usize, cp_async: bool) -> Self {
@@ -199,6 +222,7 @@ impl MmaTiling {
             m_tiles,
             cp_async,
             keys: MMA_KEYS,
+            wgmma: false,
         }
     }
 
@@ -211,10 +235,13 @@ impl MmaTiling {
         16 * self.warps * self.m_tiles
     }
 
-    /// Parses `WARPSxMTILES[-cp[-k32]]`, e.g. `4x1`, `8x1-cp` or `4x2-cp-k32`; `None` for
-    /// anything unsupported.
+    /// Parses `WARPSxMTILES[-cp[-k32]]`, e.g. `4x1`, `8x1-cp` or `4x2-cp-k32`, or `8x1-wg`
+    /// ([`MmaTiling::WGMMA`]); `None` for anything unsupported.
     pub fn parse(s: &str) -> Option<MmaTiling> {
         let s = s.trim();
+        if s == "8x1-wg" {
+            return Some(Self::WGMMA);
+        }
         let (s, keys) = match s.strip_suffix("-k32") {
             Some(rest) => (rest, 32),
             None => (s, MMA_KEYS),
@@ -231,6 +258,9 @@ impl MmaTiling {
 
 impl std::fmt::Display for MmaTiling {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.wgmma {
+            return write!(f, "{}x{}-wg", self.warps, self.m_tiles);
+        }
         let cp = if self.cp_async { "-cp" } else { "" };
         write!(f, "{}x{}{cp}", self.warps, self.m_tiles)?;
         if self.keys != MMA_KEYS {
@@ -258,7 +288,7 @@ pub fn mma_tiling(head_dim: usize) -> MmaTiling {
         Ok(s) => MmaTiling::parse(&s).unwrap_or_else(|| {
             panic!(
                 "SMP_BURN_FLASH_MMA_TILING={s:?}: expected one of 4x1, 8x1, 4x2, 8x2, \
-                 optionally with -cp or -cp-k32 (e.g. 8x1-cp, 4x2-cp-k32)"
+                 optionally with -cp or -cp-k32 (e.g. 8x1-cp, 4x2-cp-k32), or 8x1-wg"
             )
         }),
         Err(_) => MmaTiling::default_for(head_dim),
@@ -832,16 +862,7 @@ fn mma_pv_strip<F: Float, N: Size>(
         let mut p_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
         #[unroll]
         for mt in 0..m_tiles {
-            let mut pa = Array::<Vector<F, Const<2>>>::new(4usize);
-            #[unroll]
-            for j in 0..4usize {
-                let base = comptime!(((mt * n_tiles + 2 * kk + j / 2) * 2 + j % 2) * 2);
-                let mut pv = Vector::<F, Const<2>>::empty();
-                pv[0] = F::cast_from(p[base]);
-                pv[1] = F::cast_from(p[comptime!(base + 1)]);
-                pa[j] = pv;
-            }
-            p_frags.push(pa);
+            p_frags.push(p_fragment::<F>(p, mt, kk, n_tiles));
         }
         #[unroll]
         for dp in 0..comptime!(d_tiles / 2) {
@@ -856,6 +877,29 @@ fn mma_pv_strip<F: Float, N: Size>(
             }
         }
     }
+}
+
+/// The A fragment (`m16n8k16`, four pairs) of m-tile `mt` and keys `16 kk .. 16 kk + 16` of
+/// the probabilities `p` (accumulator order, `n_tiles` key tiles), rounded to `F`: the
+/// accumulators of key tiles `2 kk` and `2 kk + 1` are, in that order, rows g, g + 8 of the A
+/// operand's first and second 8 columns.
+#[cube]
+fn p_fragment<F: Float>(
+    p: &Array<f32>,
+    #[comptime] mt: usize,
+    #[comptime] kk: usize,
+    #[comptime] n_tiles: usize,
+) -> Array<Vector<F, Const<2>>> {
+    let mut pa = Array::<Vector<F, Const<2>>>::new(4usize);
+    #[unroll]
+    for j in 0..4usize {
+        let base = comptime!(((mt * n_tiles + 2 * kk + j / 2) * 2 + j % 2) * 2);
+        let mut pv = Vector::<F, Const<2>>::empty();
+        pv[0] = F::cast_from(p[base]);
+        pv[1] = F::cast_from(p[comptime!(base + 1)]);
+        pa[j] = pv;
+    }
+    pa
 }
 
 /// Writes one warp's `16 * m_tiles x 8 * n_tiles` block, held in accumulator order in `vals`
@@ -1045,16 +1089,12 @@ fn exp2(x: f32) -> f32 {
 const LN_2: f32 = std::f32::consts::LN_2;
 
 /// One key block of the forward kernels for one warp's `16 * m_tiles` query rows (first row
-/// `row0`, row `wrow` of `qs`): `S = Q K^T`, the online softmax on the accumulators (the causal
-/// mask only on blocks that reach past the warp's first row, and only compiled in with
-/// `causal_mask`, which the kernels leave off for blocks no row of the cube reaches past), then
+/// `row0`, row `wrow` of `qs`): `S = Q K^T`, the online softmax ([`fwd_softmax`]), then
 /// `O += P V`. The block's first key is `k0`; its K and V rows start at row `krow0` of `ks` and
 /// `vs` (0, or the second half of a double buffer). Shared by [`flash_fwd_mma`] and
 /// `flash_fwd_mma_cp`, which only differ in how the K/V tiles get to shared memory.
 #[cube]
-// `if comptime!(..) { if runtime {..} }` stays nested: the outer branch is resolved at
-// expansion, the inner one is emitted.
-#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+#[allow(clippy::too_many_arguments)]
 fn fwd_block<F: Float, N: Size>(
     qs: &SharedMemory<Vector<F, N>>,
     ks: &SharedMemory<Vector<F, N>>,
@@ -1086,6 +1126,60 @@ fn fwd_block<F: Float, N: Size>(
     mma_abt_strip::<F, N>(
         qs, wrow, ks, krow0, s_acc, lane, m_tiles, n_tiles, k_steps, ldt, nv,
     );
+    fwd_softmax(
+        s_acc,
+        p,
+        m_run,
+        l_run,
+        o_acc,
+        k0,
+        row0,
+        r_lo,
+        r_hi,
+        c_lo,
+        scale,
+        rescale_slack,
+        m_tiles,
+        n_tiles,
+        d_tiles,
+        causal_mask,
+        skip_rescale,
+    );
+    mma_pv_strip::<F, N>(
+        p, vs, krow0, o_acc, lane, m_tiles, n_tiles, d_tiles, ldt, nv,
+    );
+}
+
+/// The online softmax of one key block for one warp's `16 * m_tiles` query rows (first row
+/// `row0`), on the scores `s_acc` (in accumulator order, keys from `k0`): writes the block's
+/// probabilities to `p` (as [`mma_pv_strip`] takes them), updates the running maxima `m_run`
+/// (log2 units) and partial sums `l_run`, and rescales `o_acc` where a maximum grew. The causal
+/// mask only on blocks that reach past the warp's first row, and only compiled in with
+/// `causal_mask`, which the kernels leave off for blocks no row of the warp reaches past.
+/// Shared by the `mma.sync` and the `wgmma` forwards, whose accumulators have the same layout.
+#[cube]
+// `if comptime!(..) { if runtime {..} }` stays nested: the outer branch is resolved at
+// expansion, the inner one is emitted.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+fn fwd_softmax(
+    s_acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    p: &mut Array<f32>,
+    m_run: &mut Array<f32>,
+    l_run: &mut Array<f32>,
+    o_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    k0: usize,
+    row0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    scale: f32,
+    rescale_slack: f32,
+    #[comptime] m_tiles: usize,
+    #[comptime] n_tiles: usize,
+    #[comptime] d_tiles: usize,
+    #[comptime] causal_mask: bool,
+    #[comptime] skip_rescale: bool,
+) {
     // With `skip_rescale`, each row's factor waits here until the warp knows whether any of
     // its rows found a larger maximum (late in a long row almost none does), or one larger by
     // more than `rescale_slack`.
@@ -1180,9 +1274,6 @@ fn fwd_block<F: Float, N: Size>(
             }
         }
     }
-    mma_pv_strip::<F, N>(
-        p, vs, krow0, o_acc, lane, m_tiles, n_tiles, d_tiles, ldt, nv,
-    );
 }
 
 /// The end of the forward kernels: finishes the row sums across each quad (every lane summed
@@ -1677,6 +1768,309 @@ fn flash_fwd_mma_cp<F: Float, N: Size>(
     );
 }
 
+/// Position, in 16-byte chunks, of chunk `c` of row `r` of a `rows`-row tile in the layout
+/// `wgmma` reads with the 128-byte swizzle ([`super::super::wgmma::SWIZZLE_128B`]): 64-element
+/// column blocks one after the other (`rows` 128-byte rows each), and within a row the chunk
+/// index XOR the row's position in its 8-row atom. Why swizzled: a warpgroup's tensor cores
+/// read 8 rows of one 16-byte column at a time, which this spreads over all 32 banks.
+#[cube]
+fn sw128_chunk(r: usize, c: usize, #[comptime] rows: usize) -> usize {
+    (c / 8) * comptime!(rows * 8) + r * 8 + ((c % 8) ^ (r % 8))
+}
+
+/// [`copy_tile_async`] into the swizzled layout of [`sw128_chunk`], one 16-byte `cp.async`
+/// per chunk (`N` = 8 two-byte elements): rows `row0 .. row0 + rows` of one head into the tile
+/// that starts at chunk `dst0` of `dst`; rows at or past `seq` zero-filled.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_tile_swizzled<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    base_v: usize,
+    stride_v: usize,
+    row0: usize,
+    seq: usize,
+    dst: &mut SharedMemory<Vector<F, N>>,
+    dst0: usize,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+    #[comptime] nthreads: usize,
+) {
+    let t = UNIT_POS as usize;
+    let chunks = comptime!(d / 8);
+    let per_thread = comptime!(rows * d / 8 / nthreads);
+    #[unroll]
+    for i in 0..per_thread {
+        let e = i * nthreads + t;
+        let r = e / chunks;
+        let c = e % chunks;
+        let gr = row0 + r;
+        let di = dst0 + sw128_chunk(r, c, rows);
+        if gr < seq {
+            let si = base_v + gr * stride_v + c;
+            copy_async::<Vector<F, N>>(
+                &src.slice(si, si + 1),
+                &mut dst.slice_mut(di, di + 1),
+                8u32,
+            );
+        } else {
+            dst[di] = Vector::new(F::new(0.0));
+        }
+    }
+}
+
+/// `n` accumulator fragments left uninitialized: a `wgmma` that overwrites them (scale-d 0)
+/// comes first, and fresh arrays per block keep the compiler from carrying the previous
+/// block's values across the loop (the `wgmma`'s operands are read-write).
+#[cube]
+fn fresh_frags(#[comptime] n: usize) -> Sequence<Array<Vector<f32, Const<2>>>> {
+    let mut frags = Sequence::<Array<Vector<f32, Const<2>>>>::new();
+    #[unroll]
+    for _i in 0..n {
+        frags.push(Array::<Vector<f32, Const<2>>>::new(2usize));
+    }
+    frags
+}
+
+/// Forward on Hopper's warpgroup MMA ([`MmaTiling::WGMMA`]). Cube = (query head, query block
+/// from the last, batch), 256 threads = two warpgroups of 64 query rows. Q (once) and each
+/// 128-key K/V block go by 16-byte `cp.async` into 128-byte-swizzled shared memory, double
+/// buffered behind one cube barrier per block as in `flash_fwd_mma_cp`; then each warpgroup
+/// issues `S = Q K^T` as `d / 16` `wgmma`s reading both operands from shared memory, waits,
+/// runs the online softmax of the `mma.sync` kernels on its registers (same fragment layout),
+/// and issues `O += P V` with P from registers and V read transposed from shared memory.
+/// `N` must be 8 (16-byte chunks).
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_fwd_wgmma<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    o: &mut Tensor<Vector<F, Const<2>>>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    rescale_slack: f32,
+    seq_len: u32,
+    group: u32,
+    n_blocks: u32,
+    #[comptime] d: usize,
+    #[comptime] keys: usize,
+    #[comptime] skip_rescale: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bq = comptime!(128usize);
+    let nthreads = comptime!(256usize);
+    let chunks = comptime!(d / 8);
+    let n_tiles = comptime!(keys / 8);
+    let d_tiles = comptime!(d / 8);
+    let kv_tile = comptime!(keys * d / 8);
+    // Descriptor strides: 8-row atoms 1024 bytes apart; V's 64-column blocks `keys` rows
+    // apart (K-major operands ignore the leading offset under a swizzle).
+    let atom_bytes = comptime!(1024u32);
+    let v_block_bytes = comptime!(keys as u32 * 128);
+
+    let seq = seq_len as usize;
+    let h = CUBE_POS_X as usize;
+    let qb = n_blocks as usize - 1 - CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let hk = h / group as usize;
+    let warp = UNIT_POS as usize / 32;
+    let wg = warp / 4;
+    let lane = UNIT_POS_PLANE as usize;
+    let q0 = qb * bq;
+    let row0 = q0 + 16 * warp;
+    let wg_row0 = q0 + 64 * wg;
+
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
+    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
+    let r_lo = r_lo as usize;
+    let r_hi = r_hi as usize;
+    let c_lo = c_lo as usize;
+
+    let k_base = (b * k.stride(0) + hk * k.stride(1)) / 8;
+    let v_base = (b * v.stride(0) + hk * v.stride(1)) / 8;
+    let k_rs = k.stride(2) / 8;
+    let v_rs = v.stride(2) / 8;
+
+    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * chunks), 1024usize);
+    let mut ks = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * kv_tile), 1024usize);
+    let mut vs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * kv_tile), 1024usize);
+
+    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    copy_tile_swizzled::<F, N>(
+        q,
+        (b * q.stride(0) + h * q.stride(1)) / 8,
+        q.stride(2) / 8,
+        q0,
+        seq,
+        &mut qs,
+        0usize,
+        bq,
+        d,
+        nthreads,
+    );
+    copy_tile_swizzled::<F, N>(
+        k, k_base, k_rs, 0usize, seq, &mut ks, 0usize, keys, d, nthreads,
+    );
+    copy_tile_swizzled::<F, N>(
+        v, v_base, v_rs, 0usize, seq, &mut vs, 0usize, keys, d, nthreads,
+    );
+
+    let mut o_acc = zero_frags(d_tiles);
+    let mut p = Array::<f32>::new(comptime!(keys / 2));
+    let mut m_run = Array::<f32>::new(2usize);
+    let mut l_run = Array::<f32>::new(2usize);
+    #[unroll]
+    for i in 0..2usize {
+        m_run[i] = f32::new(-1.0e30);
+        l_run[i] = f32::new(0.0);
+    }
+
+    let mut q_end = q0 + bq;
+    if seq < q_end {
+        q_end = seq;
+    }
+    let n_kb = (q_end + keys - 1) / keys;
+    // This warpgroup's 64 rows of Q: chunk offset of its first 8-row atom.
+    let q_wg = wg * 512;
+
+    for kb in 0..n_kb {
+        let k0 = kb * keys;
+        let kv0 = (kb % 2) * kv_tile;
+        bar.commit_copy_async();
+        bar.arrive_and_wait();
+        // `cp.async` wrote through the generic proxy, `wgmma` reads through the async one.
+        sync_async_proxy_shared();
+        sync_cube();
+        if kb + 1 < n_kb {
+            let next = kv_tile - kv0;
+            copy_tile_swizzled::<F, N>(
+                k,
+                k_base,
+                k_rs,
+                k0 + keys,
+                seq,
+                &mut ks,
+                next,
+                keys,
+                d,
+                nthreads,
+            );
+            copy_tile_swizzled::<F, N>(
+                v,
+                v_base,
+                v_rs,
+                k0 + keys,
+                seq,
+                &mut vs,
+                next,
+                keys,
+                d,
+                nthreads,
+            );
+        }
+        // Warpgroup-uniform: a `wgmma` must be issued by all four warps.
+        if k0 < wg_row0 + 64 {
+            let mut s_acc = fresh_frags(n_tiles);
+            wgmma_fence();
+            #[unroll]
+            for kk in 0..comptime!(d / 16) {
+                // Step kk: 16 columns = 32 bytes into 64-column block kk / 4.
+                let a_off = q_wg + comptime!((kk / 4) * bq * 8 + (kk % 4) * 2);
+                let b_off = kv0 + comptime!((kk / 4) * keys * 8 + (kk % 4) * 2);
+                let desc_a = wgmma_descriptor(&qs, a_off, 16u32, atom_bytes, SWIZZLE_128B);
+                let desc_b = wgmma_descriptor(&ks, b_off, 16u32, atom_bytes, SWIZZLE_128B);
+                wgmma_ss::<F>(
+                    &mut s_acc,
+                    desc_a,
+                    desc_b,
+                    comptime!(keys as u32),
+                    0u32,
+                    comptime!(if kk == 0 { 0u32 } else { 1u32 }),
+                );
+            }
+            wgmma_commit_group();
+            wgmma_wait_group(0u32);
+            wgmma_fence_operands(&mut s_acc);
+            // Per warp: only blocks that reach past the warp's first row need the mask.
+            if k0 + keys <= row0 + 1 {
+                fwd_softmax(
+                    &s_acc,
+                    &mut p,
+                    &mut m_run,
+                    &mut l_run,
+                    &mut o_acc,
+                    k0,
+                    row0,
+                    r_lo,
+                    r_hi,
+                    c_lo,
+                    scale,
+                    rescale_slack,
+                    1usize,
+                    n_tiles,
+                    d_tiles,
+                    false,
+                    skip_rescale,
+                );
+            } else {
+                fwd_softmax(
+                    &s_acc,
+                    &mut p,
+                    &mut m_run,
+                    &mut l_run,
+                    &mut o_acc,
+                    k0,
+                    row0,
+                    r_lo,
+                    r_hi,
+                    c_lo,
+                    scale,
+                    rescale_slack,
+                    1usize,
+                    n_tiles,
+                    d_tiles,
+                    true,
+                    skip_rescale,
+                );
+            }
+            let mut p_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
+            #[unroll]
+            for kk in 0..comptime!(keys / 16) {
+                p_frags.push(p_fragment::<F>(&p, 0usize, kk, n_tiles));
+            }
+            wgmma_fence_operands(&mut o_acc);
+            wgmma_fence();
+            #[unroll]
+            for kk in 0..comptime!(keys / 16) {
+                // Keys 16 kk .. 16 kk + 16: two 8-row atoms, 2 KiB into each column block.
+                let desc_v = wgmma_descriptor(
+                    &vs,
+                    kv0 + comptime!(kk * 128),
+                    v_block_bytes,
+                    atom_bytes,
+                    SWIZZLE_128B,
+                );
+                wgmma_rs::<F>(
+                    &mut o_acc,
+                    p_frags.index(kk),
+                    desc_v,
+                    comptime!(d as u32),
+                    1u32,
+                    1u32,
+                );
+            }
+            wgmma_commit_group();
+            wgmma_wait_group(0u32);
+            wgmma_fence_operands(&mut o_acc);
+        }
+    }
+
+    write_fwd_out::<F>(
+        o, lse, &o_acc, &m_run, &mut l_run, b, h, row0, r_lo, r_hi, c_lo, seq, 1usize, d_tiles,
+    );
+}
+
 /// Launches the Mma forward into `o`, `lse` (allocated by the caller with the usual shapes;
 /// `o` may have any strides with a unit last one, e.g. the `[B, S, H, D]` memory order of
 /// `flash.rs`'s `FlashLayout::Bshd`).
@@ -1732,6 +2126,44 @@ pub(super) fn launch_forward<R: CubeRuntime>(
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let rescale_slack = rescale_slack * std::f32::consts::LOG2_E;
     let n_blocks = seq.div_ceil(tiling.rows()) as u32;
+    if tiling.wgmma {
+        assert!(
+            wgmma_supported(&client),
+            "flash attention (Mma): {tiling} needs wgmma (sm_90+ and the workspace's vendored \
+             CubeCL crates)"
+        );
+        assert!(
+            nv == 8 && matches!(head_dim, 64 | 128),
+            "flash attention (Mma): {tiling} copies 16-byte chunks of head dim 64 or 128; got \
+             vectors of {nv} elements at head dim {head_dim}"
+        );
+        let count = CubeCount::Static(heads_q as u32, n_blocks, batch as u32);
+        // SAFETY: as below; the swizzled tiles are 1024-byte aligned and every chunk index
+        // stays inside them (`sw128_chunk` permutes chunks within an 8-row atom).
+        unsafe {
+            flash_fwd_wgmma::launch_unchecked::<R>(
+                &client,
+                count,
+                CubeDim::new_1d(256),
+                nv,
+                q.into_tensor_arg(),
+                k.into_tensor_arg(),
+                v.into_tensor_arg(),
+                o.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                scale_log2,
+                rescale_slack,
+                seq as u32,
+                group as u32,
+                n_blocks,
+                head_dim,
+                tiling.keys,
+                skip_rescale,
+                dtype.into(),
+            );
+        }
+        return;
+    }
     let count = CubeCount::Static(heads_q as u32, n_blocks, batch as u32);
     let dim = CubeDim::new_1d(32 * tiling.warps as u32);
     // SAFETY: global reads are guarded by `seq` (rows past it are zero-filled in shared
@@ -4246,6 +4678,19 @@ pub(super) fn launch_delta_wide<R: CubeRuntime>(
 pub fn mma_async_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
     let features = client.features();
     features.copy_async && features.supports_type(OpaqueType::Barrier(BarrierLevel::Cube))
+}
+
+/// Whether this build and device run the warpgroup-MMA forward ([`MmaTiling::WGMMA`]): the
+/// vendored CubeCL crates ([`WGMMA_BUILT`]) and sm_90 or later (TMA, which arrived with
+/// `wgmma`, stands for the architecture here).
+pub fn wgmma_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+    WGMMA_BUILT
+        && mma_async_supported(client)
+        && client
+            .properties()
+            .features
+            .tma
+            .contains(cubecl::ir::features::Tma::Base)
 }
 
 /// Whether the device adds pairs of f32 atomically in global memory (CUDA sm_90 and later), as

@@ -26,6 +26,7 @@ pub mod flat;
 pub mod fused;
 pub mod gemm;
 mod kernel_cache;
+mod wgmma;
 pub mod xent;
 pub use kernel_cache::{
     configure_kernel_cache, kernel_cache_build, kernel_cache_dir, user_cubecl_config,

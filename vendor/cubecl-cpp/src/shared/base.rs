@@ -830,6 +830,80 @@ impl<D: Dialect> CppCompiler<D> {
                             bytes: self.compile_variable(bytes),
                         });
                     }
+                    gpu::TmaOps::WgmmaFence => instructions.push(Instruction::WgmmaFence),
+                    gpu::TmaOps::WgmmaCommitGroup => {
+                        instructions.push(Instruction::WgmmaCommitGroup)
+                    }
+                    gpu::TmaOps::WgmmaWaitGroup { max_pending } => {
+                        instructions.push(Instruction::WgmmaWaitGroup { max_pending })
+                    }
+                    gpu::TmaOps::WgmmaFenceOperands { accumulators } => {
+                        instructions.push(Instruction::WgmmaFenceOperands {
+                            accumulators: accumulators
+                                .into_iter()
+                                .map(|it| self.compile_variable(it))
+                                .collect(),
+                        })
+                    }
+                    gpu::TmaOps::WgmmaDescriptor {
+                        source,
+                        offset_source,
+                        leading_bytes,
+                        stride_bytes,
+                        swizzle,
+                    } => instructions.push(Instruction::WgmmaDescriptor {
+                        smem_buffer: self.compile_variable(source),
+                        smem_offset: self.compile_variable(offset_source),
+                        leading_bytes,
+                        stride_bytes,
+                        swizzle,
+                        out: self.compile_variable(out.unwrap()),
+                    }),
+                    gpu::TmaOps::WgmmaSs {
+                        desc_a,
+                        desc_b,
+                        n,
+                        trans_a,
+                        trans_b,
+                        accumulate,
+                        f16,
+                        accumulators,
+                    } => instructions.push(Instruction::Wgmma {
+                        a_regs: None,
+                        desc_a: Some(self.compile_variable(desc_a)),
+                        desc_b: self.compile_variable(desc_b),
+                        n,
+                        trans_a,
+                        trans_b,
+                        accumulate,
+                        f16,
+                        accumulators: accumulators
+                            .into_iter()
+                            .map(|it| self.compile_variable(it))
+                            .collect(),
+                    }),
+                    gpu::TmaOps::WgmmaRs {
+                        a,
+                        desc_b,
+                        n,
+                        trans_b,
+                        accumulate,
+                        f16,
+                        accumulators,
+                    } => instructions.push(Instruction::Wgmma {
+                        a_regs: Some(self.compile_variable(a)),
+                        desc_a: None,
+                        desc_b: self.compile_variable(desc_b),
+                        n,
+                        trans_a: 0,
+                        trans_b,
+                        accumulate,
+                        f16,
+                        accumulators: accumulators
+                            .into_iter()
+                            .map(|it| self.compile_variable(it))
+                            .collect(),
+                    }),
                     gpu::TmaOps::CommitGroup => {
                         instructions.push(Instruction::BulkCommitGroup);
                     }

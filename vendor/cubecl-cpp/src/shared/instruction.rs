@@ -289,6 +289,36 @@ pub enum Instruction<D: Dialect> {
         global_offset: Variable<D>,
         bytes: Variable<D>,
     },
+    /// smp-burn addition: `TmaOps::WgmmaFence`.
+    WgmmaFence,
+    /// smp-burn addition: `TmaOps::WgmmaCommitGroup`.
+    WgmmaCommitGroup,
+    /// smp-burn addition: `TmaOps::WgmmaWaitGroup`.
+    WgmmaWaitGroup { max_pending: u32 },
+    /// smp-burn addition: `TmaOps::WgmmaFenceOperands`.
+    WgmmaFenceOperands { accumulators: Vec<Variable<D>> },
+    /// smp-burn addition: `TmaOps::WgmmaDescriptor`.
+    WgmmaDescriptor {
+        smem_buffer: Variable<D>,
+        smem_offset: Variable<D>,
+        leading_bytes: u32,
+        stride_bytes: u32,
+        swizzle: u32,
+        out: Variable<D>,
+    },
+    /// smp-burn addition: `TmaOps::WgmmaSs` (`a_regs` none) and `TmaOps::WgmmaRs` (`desc_a`
+    /// none).
+    Wgmma {
+        a_regs: Option<Variable<D>>,
+        desc_a: Option<Variable<D>>,
+        desc_b: Variable<D>,
+        n: u32,
+        trans_a: u32,
+        trans_b: u32,
+        accumulate: u32,
+        f16: u32,
+        accumulators: Vec<Variable<D>>,
+    },
     Line {
         file: Cow<'static, str>,
         line: u32,
@@ -751,6 +781,104 @@ if({pos} == 0) {{
                 writeln!(
                     f,
                     "asm volatile(\"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\" :: \"l\"((void*)&{global_buffer}[{global_offset}]), \"r\"((unsigned int)__cvta_generic_to_shared(&{smem_buffer}[{smem_offset}])), \"r\"((unsigned int)({bytes})) : \"memory\");"
+                )
+            }
+            Instruction::WgmmaFence => {
+                writeln!(f, "asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");")
+            }
+            Instruction::WgmmaCommitGroup => writeln!(
+                f,
+                "asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");"
+            ),
+            Instruction::WgmmaWaitGroup { max_pending } => writeln!(
+                f,
+                "asm volatile(\"wgmma.wait_group.sync.aligned %0;\" :: \"n\"({max_pending}) : \"memory\");"
+            ),
+            Instruction::WgmmaFenceOperands { accumulators } => {
+                let operands = accumulators
+                    .iter()
+                    .flat_map(|acc| {
+                        (0..4).map(move |i| format!("\"+f\"(reinterpret_cast<float*>({acc})[{i}])"))
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                writeln!(f, "asm volatile(\"\" : {operands} :: \"memory\");")
+            }
+            Instruction::WgmmaDescriptor {
+                smem_buffer,
+                smem_offset,
+                leading_bytes,
+                stride_bytes,
+                swizzle,
+                out,
+            } => {
+                // Start address (bits 0-13), leading (16-29) and stride (32-45) byte offsets,
+                // all in 16-byte units; base offset 0 (atoms 1024-byte aligned); layout type
+                // in bits 62-63.
+                let fields = ((u64::from(*leading_bytes) >> 4) << 16)
+                    | ((u64::from(*stride_bytes) >> 4) << 32)
+                    | (u64::from(*swizzle) << 62);
+                let out = out.fmt_left();
+                writeln!(
+                    f,
+                    "{out} = (((unsigned long long)(((unsigned int)__cvta_generic_to_shared(&{smem_buffer}[{smem_offset}])) & 0x3FFFF)) >> 4) | {fields}ull;"
+                )
+            }
+            Instruction::Wgmma {
+                a_regs,
+                desc_a,
+                desc_b,
+                n,
+                trans_a,
+                trans_b,
+                accumulate,
+                f16,
+                accumulators,
+            } => {
+                let ab = if *f16 == 0 { "bf16" } else { "f16" };
+                let n_acc = 4 * accumulators.len();
+                let d_slots = (0..n_acc)
+                    .map(|i| format!("%{i}"))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let mut operands = Vec::new();
+                for acc in accumulators {
+                    for i in 0..4 {
+                        operands.push(format!("\"+f\"(reinterpret_cast<float*>({acc})[{i}])"));
+                    }
+                }
+                let mut inputs = Vec::new();
+                let a_slot = match (a_regs, desc_a) {
+                    (Some(a), _) => {
+                        for i in 0..4 {
+                            inputs.push(format!(
+                                "\"r\"(reinterpret_cast<const unsigned int*>({a})[{i}])"
+                            ));
+                        }
+                        format!("{{%{}, %{}, %{}, %{}}}", n_acc, n_acc + 1, n_acc + 2, n_acc + 3)
+                    }
+                    (None, Some(desc)) => {
+                        inputs.push(format!("\"l\"({desc})"));
+                        format!("%{n_acc}")
+                    }
+                    (None, None) => unreachable!("a wgmma takes A from registers or shared memory"),
+                };
+                let b_slot = n_acc + inputs.len();
+                inputs.push(format!("\"l\"({desc_b})"));
+                let scale_slot = n_acc + inputs.len();
+                inputs.push(format!("\"r\"({accumulate})"));
+                // Scale-d is a predicate: 0 overwrites the accumulators. A and B unscaled (1);
+                // the transposes as immediates (the register form has no A transpose).
+                let trans = if a_regs.is_some() {
+                    format!("{trans_b}")
+                } else {
+                    format!("{trans_a}, {trans_b}")
+                };
+                writeln!(
+                    f,
+                    "asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{scale_slot}, 0;\\nwgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{d_slots}}}, {a_slot}, %{b_slot}, p, 1, 1, {trans};\\n}}\\n\" : {} : {} : \"memory\");",
+                    operands.join(", "),
+                    inputs.join(", ")
                 )
             }
             Instruction::MemCopyAsyncTensorSharedToGlobal {

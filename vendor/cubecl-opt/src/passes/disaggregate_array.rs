@@ -1,7 +1,8 @@
 use std::collections::HashMap;
 
 use cubecl_ir::{
-    Id, Instruction, Operation, Operator, Type, UnaryOperator, Variable, VariableKind,
+    Id, Instruction, Operation, OperationReflect, Operator, TmaOps, Type, UnaryOperator,
+    Variable, VariableKind,
 };
 
 use crate::{AtomicCounter, Optimizer, analyses::writes::Writes};
@@ -115,6 +116,20 @@ fn find_const_arrays(opt: &mut Optimizer) -> Vec<Array> {
                         );
                         let is_const = assign.index.as_const().is_some();
                         *track_consts.entry(id).or_insert(is_const) &= is_const;
+                    }
+                }
+                // smp-burn: the arrays a wgmma takes whole (accumulators, A fragment) must
+                // stay arrays, whatever their indices. (Only there: other operations keep
+                // upstream's behaviour, and the kernels built on them their code.)
+                wgmma @ Operation::Tma(
+                    TmaOps::WgmmaSs { .. }
+                    | TmaOps::WgmmaRs { .. }
+                    | TmaOps::WgmmaFenceOperands { .. },
+                ) => {
+                    for var in wgmma.args().into_iter().flatten() {
+                        if let VariableKind::LocalArray { id, .. } = var.kind {
+                            track_consts.insert(id, false);
+                        }
                     }
                 }
                 _ => {}
