@@ -37,7 +37,7 @@
 //! errors.
 //!
 //! Flags: `--quick` (fewer shapes, S=4096 only), `--no-bench`, `--no-check`,
-//! `--variant plain|cmma|mma` (only that one), `--mma-tiling 4x1|8x1|4x2|8x2[-cp]|8x1-wg|all` (default
+//! `--variant plain|cmma|mma` (only that one), `--mma-tiling 4x1|8x1|4x2|8x2[-cp]|8x1-wg[d]|all` (default
 //! all; or a comma-separated list), `--mma-bwd-tiling {4,8}x{32,64}-{atomic,split}[-pf|-cp][-vd]|all` (default all; the
 //! names `MmaBwdTiling::ALL` lists, printed by an unknown name), `--iters N` (timed
 //! iterations, default 10), `--head-dim 64|128` and `--lens L1,L2,..` (bench shapes).

@@ -157,6 +157,10 @@ pub struct MmaTiling {
     /// warpgroups of 64 query rows, 128-key blocks, both products by `wgmma` with K and V read
     /// from swizzled shared memory (sm_90 and the workspace's vendored CubeCL).
     pub wgmma: bool,
+    /// With `wgmma`: the two warpgroups share the K/V buffers through per-buffer mbarriers
+    /// instead of one cube barrier per block, so that they drift apart and one's softmax
+    /// overlaps the other's MMAs (`-wgd`, [`MmaTiling::WGMMA_DECOUPLED`]).
+    pub decoupled: bool,
 }
 
 impl MmaTiling {
@@ -186,6 +190,14 @@ impl MmaTiling {
         cp_async: true,
         keys: WGMMA_KEYS,
         wgmma: true,
+        decoupled: false,
+    };
+
+    /// [`MmaTiling::WGMMA`] with the warpgroups decoupled (`8x1-wgd`): per-buffer full and
+    /// empty mbarriers instead of a cube barrier per block.
+    pub const WGMMA_DECOUPLED: MmaTiling = MmaTiling {
+        decoupled: true,
+        ..Self::WGMMA
     };
 
     /// The default for `head_dim`: [`MmaTiling::DEFAULT_HD64`] at 64, else
@@ -200,7 +212,7 @@ impl MmaTiling {
 
     /// Every supported tiling, for checks and benchmarks; the `cp.async` ones last (as in
     /// [`MmaBwdTiling::ALL`], so that a failure there leaves the others' results printed).
-    pub const ALL: [MmaTiling; 13] = [
+    pub const ALL: [MmaTiling; 14] = [
         MmaTiling::new(4, 1, false),
         MmaTiling::new(8, 1, false),
         MmaTiling::new(4, 2, false),
@@ -214,6 +226,7 @@ impl MmaTiling {
         MmaTiling::new(4, 2, true).with_keys(32),
         MmaTiling::new(8, 2, true).with_keys(32),
         MmaTiling::WGMMA,
+        MmaTiling::WGMMA_DECOUPLED,
     ];
 
     const fn new(warps: usize, m_tiles: usize, cp_async: bool) -> Self {
@@ -223,6 +236,7 @@ impl MmaTiling {
             cp_async,
             keys: MMA_KEYS,
             wgmma: false,
+            decoupled: false,
         }
     }
 
@@ -235,12 +249,15 @@ impl MmaTiling {
         16 * self.warps * self.m_tiles
     }
 
-    /// Parses `WARPSxMTILES[-cp[-k32]]`, e.g. `4x1`, `8x1-cp` or `4x2-cp-k32`, or `8x1-wg`
-    /// ([`MmaTiling::WGMMA`]); `None` for anything unsupported.
+    /// Parses `WARPSxMTILES[-cp[-k32]]`, e.g. `4x1`, `8x1-cp` or `4x2-cp-k32`, or `8x1-wg` /
+    /// `8x1-wgd` ([`MmaTiling::WGMMA`], [`MmaTiling::WGMMA_DECOUPLED`]); `None` for anything
+    /// unsupported.
     pub fn parse(s: &str) -> Option<MmaTiling> {
         let s = s.trim();
-        if s == "8x1-wg" {
-            return Some(Self::WGMMA);
+        match s {
+            "8x1-wg" => return Some(Self::WGMMA),
+            "8x1-wgd" => return Some(Self::WGMMA_DECOUPLED),
+            _ => {}
         }
         let (s, keys) = match s.strip_suffix("-k32") {
             Some(rest) => (rest, 32),
@@ -259,7 +276,8 @@ impl MmaTiling {
 impl std::fmt::Display for MmaTiling {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.wgmma {
-            return write!(f, "{}x{}-wg", self.warps, self.m_tiles);
+            let d = if self.decoupled { "d" } else { "" };
+            return write!(f, "{}x{}-wg{d}", self.warps, self.m_tiles);
         }
         let cp = if self.cp_async { "-cp" } else { "" };
         write!(f, "{}x{}{cp}", self.warps, self.m_tiles)?;
@@ -288,7 +306,7 @@ pub fn mma_tiling(head_dim: usize) -> MmaTiling {
         Ok(s) => MmaTiling::parse(&s).unwrap_or_else(|| {
             panic!(
                 "SMP_BURN_FLASH_MMA_TILING={s:?}: expected one of 4x1, 8x1, 4x2, 8x2, \
-                 optionally with -cp or -cp-k32 (e.g. 8x1-cp, 4x2-cp-k32), or 8x1-wg"
+                 optionally with -cp or -cp-k32 (e.g. 8x1-cp, 4x2-cp-k32), 8x1-wg or 8x1-wgd"
             )
         }),
         Err(_) => MmaTiling::default_for(head_dim),
@@ -1831,14 +1849,170 @@ fn fresh_frags(#[comptime] n: usize) -> Sequence<Array<Vector<f32, Const<2>>>> {
     frags
 }
 
-/// Forward on Hopper's warpgroup MMA ([`MmaTiling::WGMMA`]). Cube = (query head, query block
-/// from the last, batch), 256 threads = two warpgroups of 64 query rows. Q (once) and each
-/// 128-key K/V block go by 16-byte `cp.async` into 128-byte-swizzled shared memory, double
-/// buffered behind one cube barrier per block as in `flash_fwd_mma_cp`; then each warpgroup
-/// issues `S = Q K^T` as `d / 16` `wgmma`s reading both operands from shared memory, waits,
-/// runs the online softmax of the `mma.sync` kernels on its registers (same fragment layout),
-/// and issues `O += P V` with P from registers and V read transposed from shared memory.
-/// `N` must be 8 (16-byte chunks).
+/// Issues this warpgroup's `S = Q K^T` for one key block as `d / 16` `wgmma`s reading both
+/// operands from the swizzled tiles (`q_wg`: the chunk of the warpgroup's first Q row; `kv0`:
+/// the block's K tile) into fresh accumulators, and commits them as one group. Nothing waits.
+#[cube]
+fn wg_scores<F: Float, N: Size>(
+    qs: &SharedMemory<Vector<F, N>>,
+    ks: &SharedMemory<Vector<F, N>>,
+    q_wg: usize,
+    kv0: usize,
+    #[comptime] d: usize,
+    #[comptime] keys: usize,
+) -> Sequence<Array<Vector<f32, Const<2>>>> {
+    let bq = comptime!(WGMMA_ROWS);
+    let mut s_acc = fresh_frags(comptime!(keys / 8));
+    wgmma_fence();
+    #[unroll]
+    for kk in 0..comptime!(d / 16) {
+        // Step kk: 16 columns = 32 bytes into 64-column block kk / 4. K-major operands ignore
+        // the leading offset under a swizzle; 8-row atoms are 1024 bytes apart.
+        let a_off = q_wg + comptime!((kk / 4) * bq * 8 + (kk % 4) * 2);
+        let b_off = kv0 + comptime!((kk / 4) * keys * 8 + (kk % 4) * 2);
+        let desc_a = wgmma_descriptor(qs, a_off, 16u32, 1024u32, SWIZZLE_128B);
+        let desc_b = wgmma_descriptor(ks, b_off, 16u32, 1024u32, SWIZZLE_128B);
+        wgmma_ss::<F>(
+            &mut s_acc,
+            desc_a,
+            desc_b,
+            comptime!(keys as u32),
+            0u32,
+            comptime!(if kk == 0 { 0u32 } else { 1u32 }),
+        );
+    }
+    wgmma_commit_group();
+    s_acc
+}
+
+/// [`fwd_softmax`] of one warp's 16 rows on a `wgmma` score block, with the causal mask only
+/// where the block reaches past the warp's first row (decided per warp: no `wgmma` inside).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn wg_softmax(
+    s_acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    p: &mut Array<f32>,
+    m_run: &mut Array<f32>,
+    l_run: &mut Array<f32>,
+    o_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    k0: usize,
+    row0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    scale: f32,
+    rescale_slack: f32,
+    #[comptime] d: usize,
+    #[comptime] keys: usize,
+    #[comptime] skip_rescale: bool,
+) {
+    let n_tiles = comptime!(keys / 8);
+    let d_tiles = comptime!(d / 8);
+    if k0 + keys <= row0 + 1 {
+        fwd_softmax(
+            s_acc,
+            p,
+            m_run,
+            l_run,
+            o_acc,
+            k0,
+            row0,
+            r_lo,
+            r_hi,
+            c_lo,
+            scale,
+            rescale_slack,
+            1usize,
+            n_tiles,
+            d_tiles,
+            false,
+            skip_rescale,
+        );
+    } else {
+        fwd_softmax(
+            s_acc,
+            p,
+            m_run,
+            l_run,
+            o_acc,
+            k0,
+            row0,
+            r_lo,
+            r_hi,
+            c_lo,
+            scale,
+            rescale_slack,
+            1usize,
+            n_tiles,
+            d_tiles,
+            true,
+            skip_rescale,
+        );
+    }
+}
+
+/// Issues this warpgroup's `O += P V` for one key block: P (the warp's probabilities, rounded
+/// to `F`) from registers, V (tile at chunk `kv0`) read transposed from shared memory; commits
+/// one group. Nothing waits; `p`'s fragments must live until the group completes.
+#[cube]
+fn wg_pv<F: Float, N: Size>(
+    p: &Array<f32>,
+    vs: &SharedMemory<Vector<F, N>>,
+    kv0: usize,
+    o_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] d: usize,
+    #[comptime] keys: usize,
+) {
+    let mut p_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
+    #[unroll]
+    for kk in 0..comptime!(keys / 16) {
+        p_frags.push(p_fragment::<F>(p, 0usize, kk, comptime!(keys / 8)));
+    }
+    wgmma_fence_operands(o_acc);
+    wgmma_fence();
+    #[unroll]
+    for kk in 0..comptime!(keys / 16) {
+        // Keys 16 kk .. 16 kk + 16: two 8-row atoms, 2 KiB into each 64-column block, the
+        // blocks `keys` rows (leading offset) apart.
+        let desc_v = wgmma_descriptor(
+            vs,
+            kv0 + comptime!(kk * 128),
+            comptime!(keys as u32 * 128),
+            1024u32,
+            SWIZZLE_128B,
+        );
+        wgmma_rs::<F>(
+            o_acc,
+            p_frags.index(kk),
+            desc_v,
+            comptime!(d as u32),
+            1u32,
+            1u32,
+        );
+    }
+    wgmma_commit_group();
+}
+
+/// Query rows per cube of the warpgroup-MMA forward: two warpgroups of 64.
+const WGMMA_ROWS: usize = 128;
+
+/// Forward on Hopper's warpgroup MMA ([`MmaTiling::WGMMA`], [`MmaTiling::WGMMA_DECOUPLED`]).
+/// Cube = (query head, query block from the last, batch), 256 threads = two warpgroups of 64
+/// query rows. Q (once) and each 128-key K/V block go by 16-byte `cp.async` into
+/// 128-byte-swizzled shared memory, double buffered; each warpgroup issues `S = Q K^T` as
+/// `d / 16` `wgmma`s reading both operands from shared memory ([`wg_scores`]), waits, runs the
+/// online softmax of the `mma.sync` kernels on its registers (same fragment layout,
+/// [`wg_softmax`]), and issues `O += P V` ([`wg_pv`]). `N` must be 8 (16-byte chunks).
+///
+/// How the two warpgroups share the K/V buffers:
+/// - lockstep (`decoupled` off): one cube barrier per block, as in `flash_fwd_mma_cp`. Both
+///   warpgroups then run their softmax at the same time, and the tensor cores idle meanwhile.
+/// - `decoupled`: a "full" and an "empty" mbarrier per buffer. Every thread copies its share
+///   of block `kb + 1` once block `kb - 1` has been released by both warpgroups (empty), after
+///   issuing its block-`kb` scores; a warpgroup waits only for the block it needs (full) and
+///   releases it after its `P V`. So one warpgroup can run up to about a block ahead of the
+///   other, and its softmax overlaps the other's `wgmma`s (FlashAttention-3's ping-pong, here
+///   left to the warp schedulers).
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 fn flash_fwd_wgmma<F: Float, N: Size>(
@@ -1855,18 +2029,14 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     #[comptime] d: usize,
     #[comptime] keys: usize,
     #[comptime] skip_rescale: bool,
+    #[comptime] decoupled: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let bq = comptime!(128usize);
+    let bq = comptime!(WGMMA_ROWS);
     let nthreads = comptime!(256usize);
     let chunks = comptime!(d / 8);
-    let n_tiles = comptime!(keys / 8);
     let d_tiles = comptime!(d / 8);
     let kv_tile = comptime!(keys * d / 8);
-    // Descriptor strides: 8-row atoms 1024 bytes apart; V's 64-column blocks `keys` rows
-    // apart (K-major operands ignore the leading offset under a swizzle).
-    let atom_bytes = comptime!(1024u32);
-    let v_block_bytes = comptime!(keys as u32 * 128);
 
     let seq = seq_len as usize;
     let h = CUBE_POS_X as usize;
@@ -1874,11 +2044,11 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     let b = CUBE_POS_Z as usize;
     let hk = h / group as usize;
     let warp = UNIT_POS as usize / 32;
-    let wg = warp / 4;
     let lane = UNIT_POS_PLANE as usize;
     let q0 = qb * bq;
     let row0 = q0 + 16 * warp;
-    let wg_row0 = q0 + 64 * wg;
+    // This warpgroup's 64 rows of Q: chunk offset of its first 8-row atom.
+    let q_wg = (warp / 4) * 512;
 
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
@@ -1896,7 +2066,12 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     let mut ks = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * kv_tile), 1024usize);
     let mut vs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * kv_tile), 1024usize);
 
-    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    // Lockstep: `full0` is the one cube barrier. Decoupled: buffer i is filled behind `full_i`
+    // and released behind `empty_i`, every thread arriving on each once per use.
+    let full0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let full1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let empty0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let empty1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     copy_tile_swizzled::<F, N>(
         q,
         (b * q.stride(0) + h * q.stride(1)) / 8,
@@ -1915,6 +2090,10 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     copy_tile_swizzled::<F, N>(
         v, v_base, v_rs, 0usize, seq, &mut vs, 0usize, keys, d, nthreads,
     );
+    if comptime!(decoupled) {
+        full0.commit_copy_async();
+        let _filled = full0.arrive();
+    }
 
     let mut o_acc = zero_frags(d_tiles);
     let mut p = Array::<f32>::new(comptime!(keys / 2));
@@ -1930,137 +2109,147 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     if seq < q_end {
         q_end = seq;
     }
+    // `keys` = `bq` and blocks aligned: every block starts at or before every row of the cube,
+    // so no warpgroup ever skips one.
     let n_kb = (q_end + keys - 1) / keys;
-    // This warpgroup's 64 rows of Q: chunk offset of its first 8-row atom.
-    let q_wg = wg * 512;
 
     for kb in 0..n_kb {
         let k0 = kb * keys;
-        let kv0 = (kb % 2) * kv_tile;
-        bar.commit_copy_async();
-        bar.arrive_and_wait();
-        // `cp.async` wrote through the generic proxy, `wgmma` reads through the async one.
-        sync_async_proxy_shared();
-        sync_cube();
-        if kb + 1 < n_kb {
-            let next = kv_tile - kv0;
-            copy_tile_swizzled::<F, N>(
-                k,
-                k_base,
-                k_rs,
-                k0 + keys,
-                seq,
-                &mut ks,
-                next,
-                keys,
-                d,
-                nthreads,
-            );
-            copy_tile_swizzled::<F, N>(
-                v,
-                v_base,
-                v_rs,
-                k0 + keys,
-                seq,
-                &mut vs,
-                next,
-                keys,
-                d,
-                nthreads,
-            );
-        }
-        // Warpgroup-uniform: a `wgmma` must be issued by all four warps.
-        if k0 < wg_row0 + 64 {
-            let mut s_acc = fresh_frags(n_tiles);
-            wgmma_fence();
-            #[unroll]
-            for kk in 0..comptime!(d / 16) {
-                // Step kk: 16 columns = 32 bytes into 64-column block kk / 4.
-                let a_off = q_wg + comptime!((kk / 4) * bq * 8 + (kk % 4) * 2);
-                let b_off = kv0 + comptime!((kk / 4) * keys * 8 + (kk % 4) * 2);
-                let desc_a = wgmma_descriptor(&qs, a_off, 16u32, atom_bytes, SWIZZLE_128B);
-                let desc_b = wgmma_descriptor(&ks, b_off, 16u32, atom_bytes, SWIZZLE_128B);
-                wgmma_ss::<F>(
-                    &mut s_acc,
-                    desc_a,
-                    desc_b,
-                    comptime!(keys as u32),
-                    0u32,
-                    comptime!(if kk == 0 { 0u32 } else { 1u32 }),
-                );
+        let stage = kb % 2;
+        let kv0 = stage * kv_tile;
+        let next = kv_tile - kv0;
+        if comptime!(decoupled) {
+            let phase = ((kb / 2) % 2) as u32;
+            if stage == 0 {
+                full0.wait_parity(phase);
+            } else {
+                full1.wait_parity(phase);
             }
-            wgmma_commit_group();
+            // `cp.async` wrote through the generic proxy, `wgmma` reads through the async one.
+            sync_async_proxy_shared();
+            let s_acc = wg_scores::<F, N>(&qs, &ks, q_wg, kv0, d, keys);
+            if kb + 1 < n_kb {
+                // The other buffer held block kb - 1: both warpgroups must be done with it.
+                if kb >= 1 {
+                    let released = (((kb - 1) / 2) % 2) as u32;
+                    if stage == 0 {
+                        empty1.wait_parity(released);
+                    } else {
+                        empty0.wait_parity(released);
+                    }
+                }
+                copy_tile_swizzled::<F, N>(
+                    k,
+                    k_base,
+                    k_rs,
+                    k0 + keys,
+                    seq,
+                    &mut ks,
+                    next,
+                    keys,
+                    d,
+                    nthreads,
+                );
+                copy_tile_swizzled::<F, N>(
+                    v,
+                    v_base,
+                    v_rs,
+                    k0 + keys,
+                    seq,
+                    &mut vs,
+                    next,
+                    keys,
+                    d,
+                    nthreads,
+                );
+                if stage == 0 {
+                    full1.commit_copy_async();
+                    let _filled = full1.arrive();
+                } else {
+                    full0.commit_copy_async();
+                    let _filled = full0.arrive();
+                }
+            }
+            let mut s_acc = s_acc;
             wgmma_wait_group(0u32);
             wgmma_fence_operands(&mut s_acc);
-            // Per warp: only blocks that reach past the warp's first row need the mask.
-            if k0 + keys <= row0 + 1 {
-                fwd_softmax(
-                    &s_acc,
-                    &mut p,
-                    &mut m_run,
-                    &mut l_run,
-                    &mut o_acc,
-                    k0,
-                    row0,
-                    r_lo,
-                    r_hi,
-                    c_lo,
-                    scale,
-                    rescale_slack,
-                    1usize,
-                    n_tiles,
-                    d_tiles,
-                    false,
-                    skip_rescale,
-                );
-            } else {
-                fwd_softmax(
-                    &s_acc,
-                    &mut p,
-                    &mut m_run,
-                    &mut l_run,
-                    &mut o_acc,
-                    k0,
-                    row0,
-                    r_lo,
-                    r_hi,
-                    c_lo,
-                    scale,
-                    rescale_slack,
-                    1usize,
-                    n_tiles,
-                    d_tiles,
-                    true,
-                    skip_rescale,
-                );
-            }
-            let mut p_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
-            #[unroll]
-            for kk in 0..comptime!(keys / 16) {
-                p_frags.push(p_fragment::<F>(&p, 0usize, kk, n_tiles));
-            }
+            wg_softmax(
+                &s_acc,
+                &mut p,
+                &mut m_run,
+                &mut l_run,
+                &mut o_acc,
+                k0,
+                row0,
+                r_lo,
+                r_hi,
+                c_lo,
+                scale,
+                rescale_slack,
+                d,
+                keys,
+                skip_rescale,
+            );
+            wg_pv::<F, N>(&p, &vs, kv0, &mut o_acc, d, keys);
+            wgmma_wait_group(0u32);
             wgmma_fence_operands(&mut o_acc);
-            wgmma_fence();
-            #[unroll]
-            for kk in 0..comptime!(keys / 16) {
-                // Keys 16 kk .. 16 kk + 16: two 8-row atoms, 2 KiB into each column block.
-                let desc_v = wgmma_descriptor(
-                    &vs,
-                    kv0 + comptime!(kk * 128),
-                    v_block_bytes,
-                    atom_bytes,
-                    SWIZZLE_128B,
+            if stage == 0 {
+                let _released = empty0.arrive();
+            } else {
+                let _released = empty1.arrive();
+            }
+        } else {
+            full0.commit_copy_async();
+            full0.arrive_and_wait();
+            sync_async_proxy_shared();
+            sync_cube();
+            if kb + 1 < n_kb {
+                copy_tile_swizzled::<F, N>(
+                    k,
+                    k_base,
+                    k_rs,
+                    k0 + keys,
+                    seq,
+                    &mut ks,
+                    next,
+                    keys,
+                    d,
+                    nthreads,
                 );
-                wgmma_rs::<F>(
-                    &mut o_acc,
-                    p_frags.index(kk),
-                    desc_v,
-                    comptime!(d as u32),
-                    1u32,
-                    1u32,
+                copy_tile_swizzled::<F, N>(
+                    v,
+                    v_base,
+                    v_rs,
+                    k0 + keys,
+                    seq,
+                    &mut vs,
+                    next,
+                    keys,
+                    d,
+                    nthreads,
                 );
             }
-            wgmma_commit_group();
+            let mut s_acc = wg_scores::<F, N>(&qs, &ks, q_wg, kv0, d, keys);
+            wgmma_wait_group(0u32);
+            wgmma_fence_operands(&mut s_acc);
+            wg_softmax(
+                &s_acc,
+                &mut p,
+                &mut m_run,
+                &mut l_run,
+                &mut o_acc,
+                k0,
+                row0,
+                r_lo,
+                r_hi,
+                c_lo,
+                scale,
+                rescale_slack,
+                d,
+                keys,
+                skip_rescale,
+            );
+            wg_pv::<F, N>(&p, &vs, kv0, &mut o_acc, d, keys);
             wgmma_wait_group(0u32);
             wgmma_fence_operands(&mut o_acc);
         }
@@ -2159,6 +2348,7 @@ pub(super) fn launch_forward<R: CubeRuntime>(
                 head_dim,
                 tiling.keys,
                 skip_rescale,
+                tiling.decoupled,
                 dtype.into(),
             );
         }
