@@ -59,6 +59,7 @@ use smp_burn::cuda::flash::{
     FlashLayout, FlashVariant, MmaBwdTiling, MmaTiling, cmma_supported, flash_backward_with,
     flash_forward_with, flash_layout, mma_bwd_tiling, mma_fragment_probe, mma_supported,
     mma_tiling, pair_atomics_supported, set_flash_layout, set_mma_bwd_tiling, set_mma_tiling,
+    wgmma_supported,
 };
 
 type G = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -305,6 +306,10 @@ fn errors(a: &[f32], b: &[f32]) -> (f32, f32) {
 /// tiling depends on it.
 static PAIR_ATOMICS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
+/// Whether the device runs the warpgroup-MMA forward (`flash::wgmma_supported`), set once in
+/// `main`: the forward's default at head dim 128 depends on it.
+static WGMMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 /// The label of a variant in the output: `plain`, `cmma`, or `mma[WxM,BWD]` with the Mma
 /// forward and backward tilings currently set (the forward's default depends on the head dim).
 fn variant_name(v: FlashVariant, head_dim: usize) -> String {
@@ -312,7 +317,7 @@ fn variant_name(v: FlashVariant, head_dim: usize) -> String {
     let name = match v {
         FlashVariant::Mma => format!(
             "mma[{},{}]",
-            mma_tiling(head_dim),
+            mma_tiling(head_dim, *WGMMA.get().unwrap_or(&false)),
             mma_bwd_tiling(head_dim, pair_atomics)
         ),
         other => other.name().to_string(),
@@ -633,6 +638,7 @@ fn main() {
     let dev = CudaDevice::new(0);
     let client = CudaRuntime::client(&dev);
     let _ = PAIR_ATOMICS.set(pair_atomics_supported(&client));
+    let _ = WGMMA.set(wgmma_supported(&client));
     let has_cmma = cmma_supported(&client, DType::BF16);
     let has_mma = mma_supported(&client, DType::BF16);
     println!(

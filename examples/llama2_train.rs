@@ -422,10 +422,7 @@ fn run(cli: Cli) -> Result<(), DynError> {
         if config.init_from_hf.is_none()
             && let Ok(model) = llama::LlamaConfig::preset(&config.model)
         {
-            tracing::info!(
-                "{}",
-                smp_burn::cuda::attention_backward_summary(model.head_dim())
-            );
+            tracing::info!("{}", smp_burn::cuda::attention_summary(model.head_dim()));
         }
     }
     // Check the layout against the world size before minutes of tokenizing.

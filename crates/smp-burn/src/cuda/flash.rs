@@ -62,11 +62,12 @@ use std::sync::Mutex;
 
 #[path = "flash_mma.rs"]
 pub mod flash_mma;
+pub use super::wgmma::WGMMA_BUILT;
 pub use flash_mma::{
     BULK_REDUCE_BUILT, FLASH_BULK_DQ_ENV, MmaBwdPipe, MmaBwdTiling, MmaDq, MmaTiling,
     bulk_dq_supported, bulk_dq_used, deterministic, mma_async_supported, mma_bwd_tiling,
     mma_fragment_probe, mma_supported, mma_tiling, pair_atomics_supported, set_deterministic,
-    set_mma_bwd_tiling, set_mma_tiling,
+    set_mma_bwd_tiling, set_mma_tiling, wgmma_supported,
 };
 
 /// Rows and keys per block in the plain kernels (one thread per (row, quarter of the columns)).

@@ -200,13 +200,16 @@ impl MmaTiling {
         ..Self::WGMMA
     };
 
-    /// The default for `head_dim`: [`MmaTiling::DEFAULT_HD64`] at 64, else
+    /// The default for `head_dim` where the device and build run `wgmma` or not
+    /// ([`wgmma_supported`]): [`MmaTiling::DEFAULT_HD64`] at 64 (the warpgroup kernel ties it
+    /// at S 4k and loses 4 % at B8, session 18 call GD), [`MmaTiling::WGMMA_DECOUPLED`] at 128
+    /// with `wgmma` (430-477 TFLOP/s where `8x2-cp` gives 297-361, call GD), else
     /// [`MmaTiling::DEFAULT`].
-    pub fn default_for(head_dim: usize) -> MmaTiling {
-        if head_dim == 64 {
-            Self::DEFAULT_HD64
-        } else {
-            Self::DEFAULT
+    pub fn default_for(head_dim: usize, wgmma: bool) -> MmaTiling {
+        match head_dim {
+            64 => Self::DEFAULT_HD64,
+            128 if wgmma => Self::WGMMA_DECOUPLED,
+            _ => Self::DEFAULT,
         }
     }
 
@@ -293,12 +296,14 @@ static TILING_OVERRIDE: Mutex<Option<MmaTiling>> = Mutex::new(None);
 
 /// The tiling the Mma forward launches with at `head_dim`: the last [`set_mma_tiling`], else
 /// `SMP_BURN_FLASH_MMA_TILING` (`4x1`, `8x1`, `4x2` or `8x2`, each optionally with `-cp` or
-/// `-cp-k32`, e.g. `8x1-cp`), else [`MmaTiling::default_for`] the head dim.
+/// `-cp-k32`, e.g. `8x1-cp`; or `8x1-wg` / `8x1-wgd`), else [`MmaTiling::default_for`] the
+/// head dim and whether the device runs `wgmma` ([`wgmma_supported`]; the launch also needs
+/// 16-byte aligned rows for it).
 ///
 /// # Panics
 /// If the environment variable is set to something else (a silent fallback would make a
 /// benchmark measure the wrong kernel).
-pub fn mma_tiling(head_dim: usize) -> MmaTiling {
+pub fn mma_tiling(head_dim: usize, wgmma: bool) -> MmaTiling {
     if let Some(t) = *TILING_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()) {
         return t;
     }
@@ -309,7 +314,7 @@ pub fn mma_tiling(head_dim: usize) -> MmaTiling {
                  optionally with -cp or -cp-k32 (e.g. 8x1-cp, 4x2-cp-k32), 8x1-wg or 8x1-wgd"
             )
         }),
-        Err(_) => MmaTiling::default_for(head_dim),
+        Err(_) => MmaTiling::default_for(head_dim, wgmma),
     }
 }
 
@@ -2191,6 +2196,8 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
                 skip_rescale,
             );
             wg_pv::<F, N>(&p, &vs, kv0, &mut o_acc, d, keys);
+            // Waited for at once: leaving it running behind the next block's scores cost
+            // 10-20 % (session 18 call GE), the `P` registers it reads then having to live on.
             wgmma_wait_group(0u32);
             wgmma_fence_operands(&mut o_acc);
             if stage == 0 {
@@ -2281,10 +2288,11 @@ pub(super) fn launch_forward<R: CubeRuntime>(
         scale > 0.0,
         "flash attention (Mma): the softmax scale must be positive, got {scale}"
     );
-    let tiling = mma_tiling(head_dim);
     let client = q.client.clone();
     let dtype = q.dtype;
     let nv = vector_width(&[&q, &k, &v]);
+    // The warpgroup kernel copies 16-byte chunks: its default needs rows in 8-element units.
+    let tiling = mma_tiling(head_dim, nv == 8 && wgmma_supported(&client));
     let o_elem_bytes = o.dtype.size() as u64;
     assert!(
         o.meta.strides()[..3].iter().all(|s| s.is_multiple_of(2))
@@ -5564,6 +5572,28 @@ mod tests {
         // 32-key blocks exist only with the cp.async pipeline.
         assert_eq!(MmaTiling::parse("4x2-k32"), None);
         assert_eq!(MmaTiling::parse("4x2-cp-k16"), None);
+        // The warpgroup kernels exist in one shape each.
+        assert_eq!(
+            MmaTiling::parse("8x1-wgd"),
+            Some(MmaTiling::WGMMA_DECOUPLED)
+        );
+        assert_eq!(MmaTiling::parse("4x1-wg"), None);
+        assert_eq!(MmaTiling::parse("8x1-cp-wg"), None);
+    }
+
+    /// The forward's default follows the head dim and whether `wgmma` runs (call GD): the
+    /// warpgroup kernel only at head dim 128, where it is 20-30 % faster.
+    #[test]
+    fn forward_default_by_head_dim_and_device() {
+        assert_eq!(MmaTiling::default_for(64, true), MmaTiling::DEFAULT_HD64);
+        assert_eq!(MmaTiling::default_for(64, false), MmaTiling::DEFAULT_HD64);
+        assert_eq!(
+            MmaTiling::default_for(128, true),
+            MmaTiling::WGMMA_DECOUPLED
+        );
+        assert_eq!(MmaTiling::default_for(128, false), MmaTiling::DEFAULT);
+        assert_eq!(MmaTiling::default_for(96, true), MmaTiling::DEFAULT);
+        assert_eq!(MmaTiling::WGMMA_DECOUPLED.rows(), WGMMA_ROWS);
     }
 
     /// The backward's default follows the head dim and the device (call DV), and the

@@ -92,15 +92,18 @@ pub fn cuda_device_count() -> usize {
     CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
 }
 
-/// The attention backward the Mma flash path runs at `head_dim` on CUDA device 0, for the
-/// trainer's log: the tiling, and whether its dQ is bitwise reproducible. Why: the default at
-/// head dim 128 sums dQ with atomics (faster, run-to-run rounding differences, as PyTorch's
-/// flash backward), and a user comparing two runs' losses should see that up front.
-pub fn attention_backward_summary(head_dim: usize) -> String {
+/// The attention kernels the Mma flash path runs at `head_dim` on CUDA device 0, for the
+/// trainer's log: the forward and backward tilings, and whether the backward's dQ is bitwise
+/// reproducible. Why: the default at head dim 128 sums dQ with atomics (faster, run-to-run
+/// rounding differences, as PyTorch's flash backward), and a user comparing two runs' losses
+/// should see that up front; and which forward runs depends on the device and the build.
+pub fn attention_summary(head_dim: usize) -> String {
     // The driver's compute capability, not a CubeCL client: a client would open a context on
     // GPU 0 in every process of a multi-process launch. CubeCL reports f32-pair atomics
-    // (`flash::pair_atomics_supported`) from sm_90 on.
+    // (`flash::pair_atomics_supported`) and TMA (`flash::wgmma_supported`) from sm_90 on.
     let pair_atomics = cuda_compute_capability(0).is_some_and(|(major, _)| major >= 9);
+    // Contiguous bf16 attention inputs at head dim 64 or 128 have the 16-byte rows it needs.
+    let forward = flash::mma_tiling(head_dim, flash::WGMMA_BUILT && pair_atomics);
     let tiling = flash::mma_bwd_tiling(head_dim, pair_atomics);
     // Hopper's copy engine comes with sm_90, as the pair atomics do.
     let bulk = flash::bulk_dq_used(tiling, flash::BULK_REDUCE_BUILT && pair_atomics);
@@ -115,7 +118,7 @@ pub fn attention_backward_summary(head_dim: usize) -> String {
         }
         (flash::MmaDq::Split, _) => "deterministic",
     };
-    format!("attention backward (head dim {head_dim}): {tiling}, {reproducible}")
+    format!("attention (head dim {head_dim}): forward {forward}; backward {tiling}, {reproducible}")
 }
 
 /// Compute capability (major, minor) of CUDA device `index`, or `None` without a driver or

@@ -38,7 +38,7 @@ pub(super) mod wgmma_fence {
 
     /// Registers the operation; see [`super::wgmma_fence`].
     pub fn expand(scope: &mut Scope) {
-        super::register(scope, || super::ops::fence(), None);
+        super::register(scope, super::ops::fence, None);
     }
 }
 
@@ -53,7 +53,7 @@ pub(super) mod wgmma_commit_group {
 
     /// Registers the operation; see [`super::wgmma_commit_group`].
     pub fn expand(scope: &mut Scope) {
-        super::register(scope, || super::ops::commit(), None);
+        super::register(scope, super::ops::commit, None);
     }
 }
 
@@ -138,7 +138,8 @@ pub(super) mod wgmma_descriptor {
 /// (descriptors `desc_a` over 64 rows by 16 of the contraction, `desc_b` over 16 by `n`).
 /// `acc` holds the warp's `n / 8` fragments; `accumulate` 0 overwrites them. Asynchronous:
 /// see the module doc.
-#[allow(unused_variables)]
+// `F` picks the instruction's input type (bf16 or f16) at expansion.
+#[allow(unused_variables, clippy::extra_unused_type_parameters)]
 pub(super) fn wgmma_ss<F: Float>(
     acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
     desc_a: u64,
