@@ -1841,6 +1841,30 @@ fn copy_tile_swizzled<F: Float, N: Size>(
     }
 }
 
+/// [`copy_tile_swizzled`] of the K and V rows `key0 .. key0 + keys` of one kv head into the
+/// tiles that start at chunk `dst0` of `ks` and `vs`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_kv_swizzled<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    k_base: usize,
+    v_base: usize,
+    k_rs: usize,
+    v_rs: usize,
+    key0: usize,
+    seq: usize,
+    ks: &mut SharedMemory<Vector<F, N>>,
+    vs: &mut SharedMemory<Vector<F, N>>,
+    dst0: usize,
+    #[comptime] keys: usize,
+    #[comptime] d: usize,
+    #[comptime] nthreads: usize,
+) {
+    copy_tile_swizzled::<F, N>(k, k_base, k_rs, key0, seq, ks, dst0, keys, d, nthreads);
+    copy_tile_swizzled::<F, N>(v, v_base, v_rs, key0, seq, vs, dst0, keys, d, nthreads);
+}
+
 /// `n` accumulator fragments left uninitialized: a `wgmma` that overwrites them (scale-d 0)
 /// comes first, and fresh arrays per block keep the compiler from carrying the previous
 /// block's values across the loop (the `wgmma`'s operands are read-write).
@@ -1998,6 +2022,56 @@ fn wg_pv<F: Float, N: Size>(
     wgmma_commit_group();
 }
 
+/// The rest of one key block for this warpgroup once its scores are issued: waits for them,
+/// runs [`wg_softmax`], issues [`wg_pv`] (V tile at chunk `kv0`) and waits for it, so that
+/// the block's buffers are free and `o_acc` is current when this returns. Waited for at once:
+/// leaving `P V` running behind the next block's scores cost 10-20 % (session 18 call GE),
+/// the `P` registers it reads then having to live on.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn wg_finish_block<F: Float, N: Size>(
+    s_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    p: &mut Array<f32>,
+    m_run: &mut Array<f32>,
+    l_run: &mut Array<f32>,
+    o_acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    vs: &SharedMemory<Vector<F, N>>,
+    kv0: usize,
+    k0: usize,
+    row0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    scale: f32,
+    rescale_slack: f32,
+    #[comptime] d: usize,
+    #[comptime] keys: usize,
+    #[comptime] skip_rescale: bool,
+) {
+    wgmma_wait_group(0u32);
+    wgmma_fence_operands(s_acc);
+    wg_softmax(
+        s_acc,
+        p,
+        m_run,
+        l_run,
+        o_acc,
+        k0,
+        row0,
+        r_lo,
+        r_hi,
+        c_lo,
+        scale,
+        rescale_slack,
+        d,
+        keys,
+        skip_rescale,
+    );
+    wg_pv::<F, N>(p, vs, kv0, o_acc, d, keys);
+    wgmma_wait_group(0u32);
+    wgmma_fence_operands(o_acc);
+}
+
 /// Query rows per cube of the warpgroup-MMA forward: two warpgroups of 64.
 const WGMMA_ROWS: usize = 128;
 
@@ -2089,11 +2163,8 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
         d,
         nthreads,
     );
-    copy_tile_swizzled::<F, N>(
-        k, k_base, k_rs, 0usize, seq, &mut ks, 0usize, keys, d, nthreads,
-    );
-    copy_tile_swizzled::<F, N>(
-        v, v_base, v_rs, 0usize, seq, &mut vs, 0usize, keys, d, nthreads,
+    copy_kv_swizzled::<F, N>(
+        k, v, k_base, v_base, k_rs, v_rs, 0usize, seq, &mut ks, &mut vs, 0usize, keys, d, nthreads,
     );
     if comptime!(decoupled) {
         full0.commit_copy_async();
@@ -2132,7 +2203,7 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
             }
             // `cp.async` wrote through the generic proxy, `wgmma` reads through the async one.
             sync_async_proxy_shared();
-            let s_acc = wg_scores::<F, N>(&qs, &ks, q_wg, kv0, d, keys);
+            let mut s_acc = wg_scores::<F, N>(&qs, &ks, q_wg, kv0, d, keys);
             if kb + 1 < n_kb {
                 // The other buffer held block kb - 1: both warpgroups must be done with it.
                 if kb >= 1 {
@@ -2143,24 +2214,16 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
                         empty0.wait_parity(released);
                     }
                 }
-                copy_tile_swizzled::<F, N>(
+                copy_kv_swizzled::<F, N>(
                     k,
-                    k_base,
-                    k_rs,
-                    k0 + keys,
-                    seq,
-                    &mut ks,
-                    next,
-                    keys,
-                    d,
-                    nthreads,
-                );
-                copy_tile_swizzled::<F, N>(
                     v,
+                    k_base,
                     v_base,
+                    k_rs,
                     v_rs,
                     k0 + keys,
                     seq,
+                    &mut ks,
                     &mut vs,
                     next,
                     keys,
@@ -2175,15 +2238,14 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
                     let _filled = full0.arrive();
                 }
             }
-            let mut s_acc = s_acc;
-            wgmma_wait_group(0u32);
-            wgmma_fence_operands(&mut s_acc);
-            wg_softmax(
-                &s_acc,
+            wg_finish_block::<F, N>(
+                &mut s_acc,
                 &mut p,
                 &mut m_run,
                 &mut l_run,
                 &mut o_acc,
+                &vs,
+                kv0,
                 k0,
                 row0,
                 r_lo,
@@ -2195,11 +2257,6 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
                 keys,
                 skip_rescale,
             );
-            wg_pv::<F, N>(&p, &vs, kv0, &mut o_acc, d, keys);
-            // Waited for at once: leaving it running behind the next block's scores cost
-            // 10-20 % (session 18 call GE), the `P` registers it reads then having to live on.
-            wgmma_wait_group(0u32);
-            wgmma_fence_operands(&mut o_acc);
             if stage == 0 {
                 let _released = empty0.arrive();
             } else {
@@ -2211,24 +2268,16 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
             sync_async_proxy_shared();
             sync_cube();
             if kb + 1 < n_kb {
-                copy_tile_swizzled::<F, N>(
+                copy_kv_swizzled::<F, N>(
                     k,
-                    k_base,
-                    k_rs,
-                    k0 + keys,
-                    seq,
-                    &mut ks,
-                    next,
-                    keys,
-                    d,
-                    nthreads,
-                );
-                copy_tile_swizzled::<F, N>(
                     v,
+                    k_base,
                     v_base,
+                    k_rs,
                     v_rs,
                     k0 + keys,
                     seq,
+                    &mut ks,
                     &mut vs,
                     next,
                     keys,
@@ -2237,14 +2286,14 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
                 );
             }
             let mut s_acc = wg_scores::<F, N>(&qs, &ks, q_wg, kv0, d, keys);
-            wgmma_wait_group(0u32);
-            wgmma_fence_operands(&mut s_acc);
-            wg_softmax(
-                &s_acc,
+            wg_finish_block::<F, N>(
+                &mut s_acc,
                 &mut p,
                 &mut m_run,
                 &mut l_run,
                 &mut o_acc,
+                &vs,
+                kv0,
                 k0,
                 row0,
                 r_lo,
@@ -2256,9 +2305,6 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
                 keys,
                 skip_rescale,
             );
-            wg_pv::<F, N>(&p, &vs, kv0, &mut o_acc, d, keys);
-            wgmma_wait_group(0u32);
-            wgmma_fence_operands(&mut o_acc);
         }
     }
 
