@@ -639,6 +639,27 @@ fn main() {
     let client = CudaRuntime::client(&dev);
     let _ = PAIR_ATOMICS.set(pair_atomics_supported(&client));
     let _ = WGMMA.set(wgmma_supported(&client));
+    let mut args = args;
+    if !wgmma_supported(&client) {
+        let (kept, skipped): (Vec<MmaTiling>, Vec<MmaTiling>) =
+            args.tilings.iter().partition(|t| !t.wgmma);
+        if !skipped.is_empty() {
+            println!(
+                "flash_check: skipping {}: this device or build has no wgmma (sm_90 and the \
+                 workspace's vendored CubeCL)",
+                skipped
+                    .iter()
+                    .map(|t| t.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        if kept.is_empty() {
+            eprintln!("flash_check: no forward tiling asked for runs here");
+            std::process::exit(2);
+        }
+        args.tilings = kept;
+    }
     let has_cmma = cmma_supported(&client, DType::BF16);
     let has_mma = mma_supported(&client, DType::BF16);
     println!(

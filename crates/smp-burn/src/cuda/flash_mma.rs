@@ -55,6 +55,13 @@
 //! registers, one cube barrier per key block, the next block in flight at `m_tiles = 2` too.
 //! Both kernels run the same per-block code (`fwd_block`), so their results are identical.
 //!
+//! The `-wg` / `-wgd` tilings ([`MmaTiling::wgmma`], `flash_fwd_wgmma`, sm_90) issue both
+//! products as Hopper's warpgroup MMA instead (`super::super::wgmma`): two warpgroups of 64
+//! rows, 128-key blocks, Q/K/V copied into 128-byte-swizzled shared memory that the `wgmma`s
+//! read through descriptors, and the same softmax (`fwd_softmax`) on accumulators of the same
+//! fragment layout. `-wgd` lets the warpgroups drift apart behind per-buffer mbarriers, so that
+//! one's softmax overlaps the other's MMAs; it is the head-dim-128 default where it runs.
+//!
 //! # Backward
 //!
 //! `delta = rowsum(dO * O)` comes from the shared kernel in `flash.rs`. Then, shaped by
