@@ -5585,14 +5585,15 @@ mod tests {
 
     /// Where the workspace vendors cubecl-ir, smp-burn must have been built against it (its
     /// `[patch.crates-io]` entry): otherwise the flash backward falls back to the f32-pair
-    /// atomics without a word, 4-6 % slower (session 16, call FJ).
+    /// atomics (4-6 % slower, session 16, call FJ) and the hd-128 forward to `mma.sync`
+    /// (20-30 % slower, session 18, call GD) without a word.
     #[test]
-    fn workspace_build_has_the_bulk_reduction() {
+    fn workspace_build_has_the_bulk_reduction_and_wgmma() {
         let vendored = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../vendor/cubecl-ir")
             .is_dir();
         assert!(
-            !vendored || BULK_REDUCE_BUILT,
+            !vendored || (BULK_REDUCE_BUILT && WGMMA_BUILT),
             "vendor/cubecl-ir exists but smp-burn was built against another cubecl-ir (is its \
              [patch.crates-io] entry in the workspace Cargo.toml?)"
         );
