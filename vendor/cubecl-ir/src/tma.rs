@@ -43,12 +43,16 @@ pub enum TmaOps {
     WgmmaCommitGroup,
     /// smp-burn addition: `wgmma.wait_group.sync.aligned max_pending`: until at most
     /// `max_pending` committed groups of this warpgroup are still running.
-    WgmmaWaitGroup { max_pending: u32 },
+    WgmmaWaitGroup {
+        max_pending: u32,
+    },
     /// smp-burn addition: an empty `asm volatile` that reads and writes every register of the
     /// `accumulators` (arrays, as in `WgmmaSs`), so that the compiler moves no access to them
     /// across it: after a `WgmmaWaitGroup` (whose asynchronous writes it cannot see) and
     /// before a `WgmmaFence`.
-    WgmmaFenceOperands { accumulators: Vec<Variable> },
+    WgmmaFenceOperands {
+        accumulators: Vec<Variable>,
+    },
     /// smp-burn addition: the 64-bit shared-memory matrix descriptor of a `wgmma` operand that
     /// starts at element `offset_source` of `source` (the instruction's output, a u64).
     /// `leading_bytes` and `stride_bytes` are the descriptor's leading- and stride-dimension
@@ -120,7 +124,9 @@ impl Display for TmaOps {
             ),
             TmaOps::WgmmaFence => write!(f, "wgmma_fence()"),
             TmaOps::WgmmaCommitGroup => write!(f, "wgmma_commit_group()"),
-            TmaOps::WgmmaWaitGroup { max_pending } => write!(f, "wgmma_wait_group::<{max_pending}>()"),
+            TmaOps::WgmmaWaitGroup { max_pending } => {
+                write!(f, "wgmma_wait_group::<{max_pending}>()")
+            }
             TmaOps::WgmmaFenceOperands { accumulators } => {
                 write!(f, "wgmma_fence_operands({} arrays)", accumulators.len())
             }

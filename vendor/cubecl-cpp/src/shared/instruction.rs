@@ -294,9 +294,13 @@ pub enum Instruction<D: Dialect> {
     /// smp-burn addition: `TmaOps::WgmmaCommitGroup`.
     WgmmaCommitGroup,
     /// smp-burn addition: `TmaOps::WgmmaWaitGroup`.
-    WgmmaWaitGroup { max_pending: u32 },
+    WgmmaWaitGroup {
+        max_pending: u32,
+    },
     /// smp-burn addition: `TmaOps::WgmmaFenceOperands`.
-    WgmmaFenceOperands { accumulators: Vec<Variable<D>> },
+    WgmmaFenceOperands {
+        accumulators: Vec<Variable<D>>,
+    },
     /// smp-burn addition: `TmaOps::WgmmaDescriptor`.
     WgmmaDescriptor {
         smem_buffer: Variable<D>,
@@ -323,6 +327,18 @@ pub enum Instruction<D: Dialect> {
         file: Cow<'static, str>,
         line: u32,
     },
+}
+
+/// smp-burn addition: the read-write inline-asm operands of `wgmma` accumulator arrays, four
+/// f32 each (two vectors of two), in register order; shared by the `wgmma` itself and its
+/// operand fence, which must name exactly the same registers.
+fn wgmma_accumulator_operands<D: Dialect>(accumulators: &[Variable<D>]) -> Vec<String> {
+    accumulators
+        .iter()
+        .flat_map(|acc| {
+            (0..4).map(move |i| format!("\"+f\"(reinterpret_cast<float*>({acc})[{i}])"))
+        })
+        .collect()
 }
 
 impl<D: Dialect> Display for Instruction<D> {
@@ -784,7 +800,10 @@ if({pos} == 0) {{
                 )
             }
             Instruction::WgmmaFence => {
-                writeln!(f, "asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");")
+                writeln!(
+                    f,
+                    "asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");"
+                )
             }
             Instruction::WgmmaCommitGroup => writeln!(
                 f,
@@ -795,13 +814,7 @@ if({pos} == 0) {{
                 "asm volatile(\"wgmma.wait_group.sync.aligned %0;\" :: \"n\"({max_pending}) : \"memory\");"
             ),
             Instruction::WgmmaFenceOperands { accumulators } => {
-                let operands = accumulators
-                    .iter()
-                    .flat_map(|acc| {
-                        (0..4).map(move |i| format!("\"+f\"(reinterpret_cast<float*>({acc})[{i}])"))
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", ");
+                let operands = wgmma_accumulator_operands(accumulators).join(", ");
                 writeln!(f, "asm volatile(\"\" : {operands} :: \"memory\");")
             }
             Instruction::WgmmaDescriptor {
@@ -841,12 +854,7 @@ if({pos} == 0) {{
                     .map(|i| format!("%{i}"))
                     .collect::<Vec<_>>()
                     .join(", ");
-                let mut operands = Vec::new();
-                for acc in accumulators {
-                    for i in 0..4 {
-                        operands.push(format!("\"+f\"(reinterpret_cast<float*>({acc})[{i}])"));
-                    }
-                }
+                let operands = wgmma_accumulator_operands(accumulators);
                 let mut inputs = Vec::new();
                 let a_slot = match (a_regs, desc_a) {
                     (Some(a), _) => {
@@ -855,7 +863,13 @@ if({pos} == 0) {{
                                 "\"r\"(reinterpret_cast<const unsigned int*>({a})[{i}])"
                             ));
                         }
-                        format!("{{%{}, %{}, %{}, %{}}}", n_acc, n_acc + 1, n_acc + 2, n_acc + 3)
+                        format!(
+                            "{{%{}, %{}, %{}, %{}}}",
+                            n_acc,
+                            n_acc + 1,
+                            n_acc + 2,
+                            n_acc + 3
+                        )
                     }
                     (None, Some(desc)) => {
                         inputs.push(format!("\"l\"({desc})"));

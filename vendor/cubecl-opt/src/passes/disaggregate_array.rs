@@ -1,8 +1,8 @@
 use std::collections::HashMap;
 
 use cubecl_ir::{
-    Id, Instruction, Operation, OperationReflect, Operator, TmaOps, Type, UnaryOperator,
-    Variable, VariableKind,
+    Id, Instruction, Operation, OperationReflect, Operator, TmaOps, Type, UnaryOperator, Variable,
+    VariableKind,
 };
 
 use crate::{AtomicCounter, Optimizer, analyses::writes::Writes};
