@@ -638,9 +638,10 @@ fn main() {
     let dev = CudaDevice::new(0);
     let client = CudaRuntime::client(&dev);
     let _ = PAIR_ATOMICS.set(pair_atomics_supported(&client));
-    let _ = WGMMA.set(wgmma_supported(&client));
+    let wgmma = wgmma_supported(&client);
+    let _ = WGMMA.set(wgmma);
     let mut args = args;
-    if !wgmma_supported(&client) {
+    if !wgmma {
         let (kept, skipped): (Vec<MmaTiling>, Vec<MmaTiling>) =
             args.tilings.iter().partition(|t| !t.wgmma);
         if !skipped.is_empty() {
