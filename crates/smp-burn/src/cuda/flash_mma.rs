@@ -405,6 +405,9 @@ pub struct MmaBwdTiling {
     /// (session 14, calls EV-EW); the grid needs about a fifth fewer shared loads per block at
     /// the cost of a second cube barrier.
     pub warp_grid: bool,
+    /// Hopper's warpgroup MMA (`flash_bwd_dkdv_wgmma`, the `-wgmma` suffix,
+    /// [`MmaBwdTiling::WGMMA`]; head dim 128, sm_90 and the workspace's vendored CubeCL).
+    pub wgmma: bool,
 }
 
 impl MmaBwdTiling {
@@ -440,6 +443,15 @@ impl MmaBwdTiling {
     pub const DEFAULT_HD64: MmaBwdTiling =
         MmaBwdTiling::new(8, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true);
 
+    /// The warpgroup-MMA dK/dV kernel (`8x64-atomic-cp-vd-wgmma`, `flash_bwd_dkdv_wgmma`): two
+    /// warpgroups of 64 keys (128 per cube), 64-query blocks, every product a `wgmma`, dQ added
+    /// by one bulk reduction per row. Head dim 128 only. Not yet measured on a GPU (written in
+    /// session 18 without device time left): not a default.
+    pub const WGMMA: MmaBwdTiling = MmaBwdTiling {
+        wgmma: true,
+        ..MmaBwdTiling::new(8, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true)
+    };
+
     /// The default for `head_dim` on a device that does (`pair_atomics`) or does not add f32
     /// pairs atomically: with pair atomics and unless `SMP_BURN_DETERMINISTIC=1`,
     /// [`MmaBwdTiling::DEFAULT_HD128`] at 128 and above and [`MmaBwdTiling::DEFAULT_HD64`] at
@@ -459,7 +471,7 @@ impl MmaBwdTiling {
     /// Every supported backward tiling, for checks and benchmarks: the eight original ones,
     /// then the staging/delta variants (the riskier `cp.async` ones last, so that a failure
     /// there leaves the others' results printed).
-    pub const ALL: [MmaBwdTiling; 22] = [
+    pub const ALL: [MmaBwdTiling; 23] = [
         MmaBwdTiling::new(8, 64, MmaDq::Atomic),
         MmaBwdTiling::new(4, 64, MmaDq::Atomic),
         MmaBwdTiling::new(8, 32, MmaDq::Atomic),
@@ -488,6 +500,7 @@ impl MmaBwdTiling {
         MmaBwdTiling::new(8, 64, MmaDq::Atomic)
             .with(MmaBwdPipe::Async, true)
             .with_warp_grid(),
+        MmaBwdTiling::WGMMA,
     ];
 
     const fn new(warps: usize, inner: usize, dq: MmaDq) -> Self {
@@ -498,6 +511,7 @@ impl MmaBwdTiling {
             pipe: MmaBwdPipe::Sync,
             wide_delta: false,
             warp_grid: false,
+            wgmma: false,
         }
     }
 
@@ -542,7 +556,8 @@ impl MmaBwdTiling {
                     tiling.pipe = MmaBwdPipe::Async
                 }
                 "vd" if !tiling.wide_delta => tiling.wide_delta = true,
-                "wg" if !tiling.warp_grid => tiling.warp_grid = true,
+                "wg" if !tiling.warp_grid && !tiling.wgmma => tiling.warp_grid = true,
+                "wgmma" if !tiling.warp_grid && !tiling.wgmma => tiling.wgmma = true,
                 _ => return None,
             }
         }
@@ -563,7 +578,12 @@ impl std::fmt::Display for MmaBwdTiling {
         };
         let delta = if self.wide_delta { "-vd" } else { "" };
         let grid = if self.warp_grid { "-wg" } else { "" };
-        write!(f, "{}x{}-{dq}{pipe}{delta}{grid}", self.warps, self.inner)
+        let wgmma = if self.wgmma { "-wgmma" } else { "" };
+        write!(
+            f,
+            "{}x{}-{dq}{pipe}{delta}{grid}{wgmma}",
+            self.warps, self.inner
+        )
     }
 }
 
@@ -1913,6 +1933,7 @@ fn wg_scores<F: Float, N: Size>(
             desc_a,
             desc_b,
             comptime!(keys as u32),
+            0u32,
             0u32,
             comptime!(if kk == 0 { 0u32 } else { 1u32 }),
         );
@@ -4402,6 +4423,442 @@ fn flash_bwd_dkdv_mma_grid<F: Float, N: Size>(
     );
 }
 
+/// Query rows per block of the warpgroup-MMA dK/dV kernel: the `n` of its `S^T` and `dP^T`.
+const WGMMA_BWD_QROWS: usize = 64;
+
+/// Keys per cube of the warpgroup-MMA dK/dV kernel: two warpgroups of 64.
+pub const WGMMA_BWD_KEYS: usize = 128;
+
+/// Pitch, in f32, of the warpgroup dK/dV kernel's dQ staging rows: 4 more than the head dim, so
+/// that a warp's pair stores of 8 rows fall on different banks, and every row still starts 16
+/// bytes aligned for its bulk reduction.
+const WGMMA_BWD_DQ_PITCH: usize = 132;
+
+/// Issues the copies of one query block for [`flash_bwd_dkdv_wgmma`]: Q and dO rows `q0 ..
+/// q0 + 64` of head `h` into the swizzled tiles at chunk `dst0` of `qs` / `dos`, and lse and
+/// delta into `lse_s` / `delta_s` from `stat0` ([`bwd_row_stats`]'s values past the end).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_qdo_swizzled<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    qs: &mut SharedMemory<Vector<F, N>>,
+    dos: &mut SharedMemory<Vector<F, N>>,
+    lse_s: &mut SharedMemory<f32>,
+    delta_s: &mut SharedMemory<f32>,
+    b: usize,
+    h: usize,
+    q0: usize,
+    seq: usize,
+    dst0: usize,
+    stat0: usize,
+    #[comptime] d: usize,
+) {
+    let rows = comptime!(WGMMA_BWD_QROWS);
+    copy_kv_swizzled::<F, N>(
+        q,
+        d_o,
+        (b * q.stride(0) + h * q.stride(1)) / 8,
+        (b * d_o.stride(0) + h * d_o.stride(1)) / 8,
+        q.stride(2) / 8,
+        d_o.stride(2) / 8,
+        q0,
+        seq,
+        qs,
+        dos,
+        dst0,
+        rows,
+        d,
+        256usize,
+    );
+    let t = UNIT_POS as usize;
+    if t < rows {
+        let qi = q0 + t;
+        let si = stat0 + t;
+        if qi < seq {
+            let li = b * lse.stride(0) + h * lse.stride(1) + qi * lse.stride(2);
+            let di = b * delta.stride(0) + h * delta.stride(1) + qi * delta.stride(2);
+            copy_async::<f32>(
+                &lse.slice(li, li + 1),
+                &mut lse_s.slice_mut(si, si + 1),
+                1u32,
+            );
+            copy_async::<f32>(
+                &delta.slice(di, di + 1),
+                &mut delta_s.slice_mut(si, si + 1),
+                1u32,
+            );
+        } else {
+            lse_s[si] = f32::new(1.0e30);
+            delta_s[si] = f32::new(0.0);
+        }
+    }
+}
+
+/// dK and dV (and dQ through bulk reductions) on Hopper's warpgroup MMA, head dim 128. Cube =
+/// (kv head, block of 128 keys, batch), 256 threads = two warpgroups, warpgroup `w` owning keys
+/// `64 w .. 64 w + 64` of the block. K and V are copied once into swizzled shared memory; the
+/// query blocks of 64 rows (every query head of the GQA group, from the causal start) are
+/// double buffered with `cp.async` behind one cube barrier each, as in the `mma.sync` kernels.
+/// Per query block and warpgroup:
+/// - `S^T = K Q^T` and `dP^T = V dO^T` (`m64n64k16`, both operands from shared memory);
+/// - `P^T = exp(S^T scale - lse)` (0 where the key follows the query) and
+///   `dS^T = P^T (dP^T - delta)` in the accumulator registers;
+/// - `dV += P^T dO` and `dK += dS^T Q` (`m64n128k16`, `P^T` / `dS^T` from registers as the
+///   forward's P, dO and Q read transposed as the forward's V);
+/// - `dS^T` to shared memory (bf16, swizzled `[key][query]`), a cube barrier, then the block's
+///   `dQ = dS K` (`m64n64k16`: warpgroup `w` the head-dim half `w`, A = `dS^T` read transposed,
+///   B = K read transposed), staged as f32 rows and added to `dq_acc` (f32, dq's layout) by one
+///   bulk reduction per row.
+///
+/// Why this shape: FlashAttention-3's backward (two consumer warpgroups of 64 keys, 64-query
+/// blocks). Registers: dK and dV 64 f32 each, `S^T` and `dP^T` 32 each, dQ 32.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    dq_acc: &mut Tensor<f32>,
+    scale: f32,
+    seq_len: u32,
+    group: u32,
+    #[comptime] d: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bk = comptime!(WGMMA_BWD_KEYS);
+    let bq = comptime!(WGMMA_BWD_QROWS);
+    let pitch = comptime!(WGMMA_BWD_DQ_PITCH);
+    let kv_tile = comptime!(bk * d / 8);
+    let q_tile = comptime!(bq * d / 8);
+    let q_tiles = comptime!(bq / 8);
+    let d_tiles = comptime!(d / 8);
+
+    let seq = seq_len as usize;
+    let hk = CUBE_POS_X as usize;
+    let k0 = CUBE_POS_Y as usize * bk;
+    let b = CUBE_POS_Z as usize;
+    let grp = group as usize;
+    let warp = UNIT_POS as usize / 32;
+    let wg = warp / 4;
+    let lane = UNIT_POS_PLANE as usize;
+    let t = UNIT_POS as usize;
+    // This warp's first key, and its warpgroup's first K/V row (chunk offset of its atom).
+    let wk0 = k0 + 16 * warp;
+    let kv_wg = wg * 512;
+
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
+    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
+    let r_lo = r_lo as usize;
+    let r_hi = r_hi as usize;
+    let c_lo = c_lo as usize;
+
+    let mut ks = SharedMemory::<Vector<F, N>>::new_aligned(kv_tile, 1024usize);
+    let mut vs = SharedMemory::<Vector<F, N>>::new_aligned(kv_tile, 1024usize);
+    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * q_tile), 1024usize);
+    let mut dos = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * q_tile), 1024usize);
+    // dS^T as bf16 pairs, `[key][query]` in the swizzled layout (64 queries = one 128-byte
+    // column block).
+    let mut dss =
+        SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * bq / 2), 1024usize);
+    let mut dqs = SharedMemory::<f32>::new_aligned(comptime!(bq * pitch), 128usize);
+    let mut lse_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+    let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+
+    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let k_base = (b * k.stride(0) + hk * k.stride(1)) / 8;
+    let v_base = (b * v.stride(0) + hk * v.stride(1)) / 8;
+    copy_kv_swizzled::<F, N>(
+        k,
+        v,
+        k_base,
+        v_base,
+        k.stride(2) / 8,
+        v.stride(2) / 8,
+        k0,
+        seq,
+        &mut ks,
+        &mut vs,
+        0usize,
+        bk,
+        d,
+        256usize,
+    );
+
+    let n_qb = (seq + bq - 1) / bq;
+    let qb_start = k0 / bq;
+    let n_blk = n_qb - qb_start;
+    let n_it = grp * n_blk;
+    let h_first = hk * grp;
+    copy_qdo_swizzled::<F, N>(
+        q,
+        d_o,
+        lse,
+        delta,
+        &mut qs,
+        &mut dos,
+        &mut lse_s,
+        &mut delta_s,
+        b,
+        h_first,
+        qb_start * bq,
+        seq,
+        0usize,
+        0usize,
+        d,
+    );
+
+    let mut dk_acc = zero_frags(d_tiles);
+    let mut dv_acc = zero_frags(d_tiles);
+    let mut p = Array::<f32>::new(comptime!(bq / 2));
+    let mut ds = Array::<f32>::new(comptime!(bq / 2));
+
+    let mut blk = 0usize;
+    let mut h_off = 0usize;
+    for it in 0..n_it {
+        let q0 = (qb_start + blk) * bq;
+        let h = h_first + h_off;
+        let buf = it % 2;
+        let q_off = buf * q_tile;
+        let stat0 = buf * bq;
+        // The previous block's dQ reductions must have read the staging rows before anyone
+        // writes them again (after the barriers below).
+        if t < bq {
+            tma_group_wait_read(0u32);
+        }
+        bar.commit_copy_async();
+        bar.arrive_and_wait();
+        sync_async_proxy_shared();
+        sync_cube();
+        let mut next_blk = blk + 1;
+        let mut next_h_off = h_off;
+        if next_blk == n_blk {
+            next_blk = 0;
+            next_h_off += 1;
+        }
+        if it + 1 < n_it {
+            copy_qdo_swizzled::<F, N>(
+                q,
+                d_o,
+                lse,
+                delta,
+                &mut qs,
+                &mut dos,
+                &mut lse_s,
+                &mut delta_s,
+                b,
+                h_first + next_h_off,
+                (qb_start + next_blk) * bq,
+                seq,
+                q_tile - q_off,
+                bq - stat0,
+                d,
+            );
+        }
+
+        // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
+        let mut s_acc = fresh_frags(q_tiles);
+        let mut dp_acc = fresh_frags(q_tiles);
+        wgmma_fence();
+        #[unroll]
+        for kk in 0..comptime!(d / 16) {
+            let a_off = kv_wg + comptime!((kk / 4) * bk * 8 + (kk % 4) * 2);
+            let b_off = q_off + comptime!((kk / 4) * bq * 8 + (kk % 4) * 2);
+            let acc = comptime!(if kk == 0 { 0u32 } else { 1u32 });
+            let desc_k = wgmma_descriptor(&ks, a_off, 16u32, 1024u32, SWIZZLE_128B);
+            let desc_q = wgmma_descriptor(&qs, b_off, 16u32, 1024u32, SWIZZLE_128B);
+            wgmma_ss::<F>(
+                &mut s_acc,
+                desc_k,
+                desc_q,
+                comptime!(bq as u32),
+                0u32,
+                0u32,
+                acc,
+            );
+            let desc_v = wgmma_descriptor(&vs, a_off, 16u32, 1024u32, SWIZZLE_128B);
+            let desc_do = wgmma_descriptor(&dos, b_off, 16u32, 1024u32, SWIZZLE_128B);
+            wgmma_ss::<F>(
+                &mut dp_acc,
+                desc_v,
+                desc_do,
+                comptime!(bq as u32),
+                0u32,
+                0u32,
+                acc,
+            );
+        }
+        wgmma_commit_group();
+        wgmma_wait_group(0u32);
+        wgmma_fence_operands(&mut s_acc);
+        wgmma_fence_operands(&mut dp_acc);
+
+        // P^T and dS^T: rows are this warp's keys, columns the block's queries.
+        #[unroll]
+        for nt in 0..q_tiles {
+            #[unroll]
+            for e in 0..2usize {
+                let ql = 8 * nt + c_lo + e;
+                let qi = q0 + ql;
+                let lse_q = lse_s[stat0 + ql];
+                let delta_q = delta_s[stat0 + ql];
+                let s_frag = s_acc.index(nt);
+                let dp_frag = dp_acc.index(nt);
+                #[unroll]
+                for hh in 0..2usize {
+                    let mut key = wk0 + r_lo;
+                    if hh == 1 {
+                        key = wk0 + r_hi;
+                    }
+                    let mut pe = (s_frag[hh][e] * scale - lse_q).exp();
+                    if key > qi {
+                        pe = f32::new(0.0);
+                    }
+                    let idx = comptime!((nt * 2 + hh) * 2 + e);
+                    p[idx] = pe;
+                    ds[idx] = pe * (dp_frag[hh][e] - delta_q);
+                }
+            }
+        }
+
+        // dV += P^T dO and dK += dS^T Q, P^T / dS^T from registers.
+        let mut p_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        let mut ds_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        #[unroll]
+        for kk in 0..comptime!(bq / 16) {
+            p_frags.push(p_fragment::<F>(&p, 0usize, kk, q_tiles));
+            ds_frags.push(p_fragment::<F>(&ds, 0usize, kk, q_tiles));
+        }
+        wgmma_fence_operands(&mut dv_acc);
+        wgmma_fence_operands(&mut dk_acc);
+        wgmma_fence();
+        #[unroll]
+        for kk in 0..comptime!(bq / 16) {
+            // Queries 16 kk .. 16 kk + 16: two 8-row atoms into each 64-column block, the
+            // blocks `bq` rows apart.
+            let off = q_off + comptime!(kk * 128);
+            let desc_do =
+                wgmma_descriptor(&dos, off, comptime!(bq as u32 * 128), 1024u32, SWIZZLE_128B);
+            wgmma_rs::<F>(
+                &mut dv_acc,
+                p_frags.index(kk),
+                desc_do,
+                comptime!(d as u32),
+                1u32,
+                1u32,
+            );
+            let desc_q =
+                wgmma_descriptor(&qs, off, comptime!(bq as u32 * 128), 1024u32, SWIZZLE_128B);
+            wgmma_rs::<F>(
+                &mut dk_acc,
+                ds_frags.index(kk),
+                desc_q,
+                comptime!(d as u32),
+                1u32,
+                1u32,
+            );
+        }
+        wgmma_commit_group();
+
+        // dS^T to shared memory from its A fragments (already rounded; pair j of fragment
+        // kk is query tile 2 kk + j / 2, row lo or hi by j % 2), as 4-byte stores, so that the
+        // f32 dS^T need not live on beside dK and dV.
+        let key_lo = 16 * warp + r_lo;
+        let key_hi = 16 * warp + r_hi;
+        #[unroll]
+        for kk in 0..comptime!(bq / 16) {
+            let frag = ds_frags.index(kk);
+            #[unroll]
+            for j in 0..4usize {
+                let mut key = key_lo;
+                if comptime!(j % 2 == 1) {
+                    key = key_hi;
+                }
+                let nt = comptime!(2 * kk + j / 2);
+                dss[sw128_chunk(key, nt, bk) * 4 + c_lo / 2] = frag[j];
+            }
+        }
+        sync_async_proxy_shared();
+        sync_cube();
+
+        // dQ = dS K for head-dim half `wg`: A = dS^T `[key][query]` read transposed, B = K
+        // `[key][d]` read transposed, 16 keys per step.
+        let mut dq_acc_w = fresh_frags(comptime!(d / 16));
+        wgmma_fence();
+        #[unroll]
+        for kk in 0..comptime!(bk / 16) {
+            let desc_ds = wgmma_descriptor(
+                &dss,
+                comptime!(kk * 128 * 4),
+                comptime!(bk as u32 * 128),
+                1024u32,
+                SWIZZLE_128B,
+            );
+            let desc_k = wgmma_descriptor(
+                &ks,
+                wg * comptime!(bk * 8) + comptime!(kk * 128),
+                comptime!(bk as u32 * 128),
+                1024u32,
+                SWIZZLE_128B,
+            );
+            wgmma_ss::<F>(
+                &mut dq_acc_w,
+                desc_ds,
+                desc_k,
+                comptime!(d as u32 / 2),
+                1u32,
+                1u32,
+                comptime!(if kk == 0 { 0u32 } else { 1u32 }),
+            );
+        }
+        wgmma_commit_group();
+        wgmma_wait_group(0u32);
+        wgmma_fence_operands(&mut dq_acc_w);
+        wgmma_fence_operands(&mut dv_acc);
+        wgmma_fence_operands(&mut dk_acc);
+
+        // Stage this warpgroup's dQ half as f32 rows, then one bulk reduction per row.
+        let qrow_lo = 16 * (warp % 4) + r_lo;
+        let qrow_hi = 16 * (warp % 4) + r_hi;
+        #[unroll]
+        for dt in 0..comptime!(d / 16) {
+            let col = wg * comptime!(d / 2) + 8 * dt + c_lo;
+            let frag = dq_acc_w.index(dt);
+            dqs[qrow_lo * pitch + col] = frag[0][0];
+            dqs[qrow_lo * pitch + col + 1] = frag[0][1];
+            dqs[qrow_hi * pitch + col] = frag[1][0];
+            dqs[qrow_hi * pitch + col + 1] = frag[1][1];
+        }
+        sync_async_proxy_shared();
+        sync_cube();
+        if t < bq {
+            let qi = q0 + t;
+            if qi < seq {
+                let dst = b * dq_acc.stride(0) + h * dq_acc.stride(1) + qi * dq_acc.stride(2);
+                bulk_reduce_add_f32(&dqs, t * pitch, dq_acc, dst, comptime!(d as u32 * 4));
+            }
+            tma_group_commit();
+        }
+        blk = next_blk;
+        h_off = next_h_off;
+    }
+    if t < bq {
+        tma_group_wait_read(0u32);
+    }
+
+    write_dkdv::<F>(
+        dk, dv, &dk_acc, &dv_acc, b, hk, wk0, r_lo, r_hi, c_lo, 0usize, seq, scale, d_tiles, 1usize,
+    );
+}
+
 /// dQ, manual MMA (the [`MmaDq::Split`] scheme). Cube = (query head, query block from the
 /// last, batch); `32 * warps` threads, warp `w` owns query rows `16 w .. 16 w + 16`. The
 /// forward's structure with `dS = P (dP - delta)` in place of the softmax: S and dP in
@@ -5053,8 +5510,10 @@ pub fn bulk_dq_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
 pub fn bulk_dq_used(tiling: MmaBwdTiling, supported: bool) -> bool {
     static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let wanted = *WANTED.get_or_init(|| env_switch(FLASH_BULK_DQ_ENV, true));
+    // The warpgroup kernel adds its dQ rows by bulk reductions of its own, into dq's layout.
     let whole_chunks = tiling.dq == MmaDq::Atomic
         && tiling.pipe == MmaBwdPipe::Async
+        && !tiling.wgmma
         && (tiling.warp_grid || defer_fused_dq());
     supported && wanted && whole_chunks
 }
@@ -5149,7 +5608,39 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     // comptime-sized tiles (ldmatrix rows are 16-byte aligned: pitches of d + 8 and inner + 8
     // elements, columns multiples of 8). The cp.async copies are `2 * nv` bytes at
     // `nv`-aligned global offsets (`vector_width`) and 16-byte aligned shared rows.
-    if async_copy && tiling.warp_grid && fused {
+    if tiling.wgmma {
+        assert!(
+            wgmma_supported(&client) && BULK_REDUCE_BUILT && nv == 8 && head_dim == 128,
+            "flash attention backward (Mma): {tiling} needs wgmma and the bulk reduction (sm_90+ \
+             and the workspace's vendored CubeCL), 16-byte rows and head dim 128; got vectors of \
+             {nv} at head dim {head_dim}"
+        );
+        // SAFETY: as below; the swizzled tiles are 1024-byte aligned and `sw128_chunk` stays
+        // inside them; each bulk reduction adds one 512-byte dQ row at a 16-byte aligned
+        // address of `dq_acc` (dq's layout, rows < seq only).
+        unsafe {
+            flash_bwd_dkdv_wgmma::launch_unchecked::<R>(
+                &client,
+                count_kv,
+                dim,
+                nv,
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                d_o.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                dk.clone().into_tensor_arg(),
+                dv.clone().into_tensor_arg(),
+                dq_acc.clone().into_tensor_arg(),
+                scale,
+                seq as u32,
+                group as u32,
+                head_dim,
+                dtype.into(),
+            );
+        }
+    } else if async_copy && tiling.warp_grid && fused {
         // SAFETY: as below; the P^T and dS^T tiles are indexed inside their comptime sizes
         // (rows of the cube's keys, columns of one query block).
         unsafe {

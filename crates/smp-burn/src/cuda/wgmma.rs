@@ -136,8 +136,9 @@ pub(super) mod wgmma_descriptor {
 
 /// `acc (+)= A B` for this warpgroup's `64 x n` tile, both operands from shared memory
 /// (descriptors `desc_a` over 64 rows by 16 of the contraction, `desc_b` over 16 by `n`).
-/// `acc` holds the warp's `n / 8` fragments; `accumulate` 0 overwrites them. Asynchronous:
-/// see the module doc.
+/// `acc` holds the warp's `n / 8` fragments; `accumulate` 0 overwrites them. `trans_a` /
+/// `trans_b` 1 read an operand stored MN-major (the M or N index contiguous) instead of
+/// K-major. Asynchronous: see the module doc.
 // `F` picks the instruction's input type (bf16 or f16) at expansion.
 #[allow(unused_variables, clippy::extra_unused_type_parameters)]
 pub(super) fn wgmma_ss<F: Float>(
@@ -145,6 +146,7 @@ pub(super) fn wgmma_ss<F: Float>(
     desc_a: u64,
     desc_b: u64,
     n: u32,
+    trans_a: u32,
     trans_b: u32,
     accumulate: u32,
 ) {
@@ -156,12 +158,14 @@ pub(super) mod wgmma_ss {
     use cubecl::prelude::*;
 
     /// Registers the operation; see [`super::wgmma_ss`].
+    #[allow(clippy::too_many_arguments)]
     pub fn expand<F: Float>(
         scope: &mut Scope,
         acc: SequenceExpand<Array<Vector<f32, Const<2>>>>,
         desc_a: NativeExpand<u64>,
         desc_b: NativeExpand<u64>,
         n: u32,
+        trans_a: u32,
         trans_b: u32,
         accumulate: u32,
     ) {
@@ -170,7 +174,18 @@ pub(super) mod wgmma_ss {
         let (desc_a, desc_b) = (*desc_a.expand, *desc_b.expand);
         super::register(
             scope,
-            || super::ops::ss(desc_a, desc_b, n, trans_b, accumulate, f16, accumulators),
+            || {
+                super::ops::ss(
+                    desc_a,
+                    desc_b,
+                    n,
+                    trans_a,
+                    trans_b,
+                    accumulate,
+                    f16,
+                    accumulators,
+                )
+            },
             None,
         );
     }
@@ -296,10 +311,12 @@ mod ops {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn ss(
         desc_a: Variable,
         desc_b: Variable,
         n: u32,
+        trans_a: u32,
         trans_b: u32,
         accumulate: u32,
         f16: u32,
@@ -309,7 +326,7 @@ mod ops {
             desc_a,
             desc_b,
             n,
-            trans_a: 0,
+            trans_a,
             trans_b,
             accumulate,
             f16,
@@ -347,9 +364,11 @@ mod ops {
     pub fn wait(_: u32) {}
     pub fn fence_operands(_: Vec<cubecl::ir::Variable>) {}
     pub fn descriptor(_: cubecl::ir::Variable, _: cubecl::ir::Variable, _: u32, _: u32, _: u32) {}
+    #[allow(clippy::too_many_arguments)]
     pub fn ss(
         _: cubecl::ir::Variable,
         _: cubecl::ir::Variable,
+        _: u32,
         _: u32,
         _: u32,
         _: u32,
