@@ -61,3 +61,7 @@ for n, e in enumerate(found):
     r = subprocess.run([ptxas, '-v', '--gpu-name', 'sm_90a', p, '-o', '/dev/null'], capture_output=True, text=True)
     info = ' '.join(l.split('info    : ')[-1] for l in r.stderr.splitlines() if 'Used' in l or 'spill' in l or 'stack' in l)
     print(f"{name[:70]} smem={e.get('shared_mem_bytes')}: {info} [{os.path.basename(p)}]")
+    # ptxas warns when it must serialize `wgmma`s (registers an in-flight one reads touched).
+    for l in r.stderr.splitlines():
+        if 'arning' in l or 'wgmma' in l:
+            print('  ptxas:', l[:300])

@@ -4497,21 +4497,129 @@ fn copy_qdo_swizzled<F: Float, N: Size>(
     }
 }
 
+/// Issues one warpgroup's `acc = A B^T` for the warpgroup-MMA dK/dV kernel and commits it as
+/// one group: A the warpgroup's 64 rows of the 128-row K or V tile (`a_wg`: chunk of its
+/// first row), B the 64-row Q or dO tile at chunk `b0`, both K-major and swizzled, contracted
+/// over the head dim (`S^T = K Q^T`, `dP^T = V dO^T`). Nothing waits.
+#[cube]
+fn wgmma_bwd_scores<F: Float, N: Size>(
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    a: &SharedMemory<Vector<F, N>>,
+    b: &SharedMemory<Vector<F, N>>,
+    a_wg: usize,
+    b0: usize,
+    #[comptime] d: usize,
+) {
+    let bk = comptime!(WGMMA_BWD_KEYS);
+    let bq = comptime!(WGMMA_BWD_QROWS);
+    wgmma_fence();
+    #[unroll]
+    for kk in 0..comptime!(d / 16) {
+        // Step kk: 16 columns = 32 bytes into 64-column block kk / 4 (as `wg_scores`).
+        let a_off = a_wg + comptime!((kk / 4) * bk * 8 + (kk % 4) * 2);
+        let b_off = b0 + comptime!((kk / 4) * bq * 8 + (kk % 4) * 2);
+        let desc_a = wgmma_descriptor(a, a_off, 16u32, 1024u32, SWIZZLE_128B);
+        let desc_b = wgmma_descriptor(b, b_off, 16u32, 1024u32, SWIZZLE_128B);
+        wgmma_ss::<F>(
+            acc,
+            desc_a,
+            desc_b,
+            comptime!(bq as u32),
+            0u32,
+            0u32,
+            comptime!(if kk == 0 { 0u32 } else { 1u32 }),
+        );
+    }
+    wgmma_commit_group();
+}
+
+/// Issues one warpgroup's `acc += A B` over one 64-query block and commits it as one group: A
+/// from registers (`a_frags`, the warp's `P^T` or `dS^T` fragments, 16 queries each), B the dO
+/// or Q tile at chunk `b0` read transposed (`dV += P^T dO`, `dK += dS^T Q`). Nothing waits;
+/// `a_frags` must live until the group completes.
+#[cube]
+fn wgmma_rs_block<F: Float, N: Size>(
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    a_frags: &Sequence<Array<Vector<F, Const<2>>>>,
+    b: &SharedMemory<Vector<F, N>>,
+    b0: usize,
+    #[comptime] d: usize,
+) {
+    let bq = comptime!(WGMMA_BWD_QROWS);
+    wgmma_fence();
+    #[unroll]
+    for kk in 0..comptime!(bq / 16) {
+        // Queries 16 kk .. 16 kk + 16: two 8-row atoms into each 64-column block, the blocks
+        // `bq` rows (leading offset) apart.
+        let desc_b = wgmma_descriptor(
+            b,
+            b0 + comptime!(kk * 128),
+            comptime!(bq as u32 * 128),
+            1024u32,
+            SWIZZLE_128B,
+        );
+        wgmma_rs::<F>(
+            acc,
+            a_frags.index(kk),
+            desc_b,
+            comptime!(d as u32),
+            1u32,
+            1u32,
+        );
+    }
+    wgmma_commit_group();
+}
+
+/// Adds the staged dQ rows of query block `q0 ..` of head `h` (f32 rows of `dqs`, pitch
+/// [`WGMMA_BWD_DQ_PITCH`]) to `dq_acc` (dq's layout): one bulk reduction per row before
+/// `seq`, issued by the first 64 threads and committed as one group each (their
+/// `tma_group_wait_read` frees the rows).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn reduce_dq_rows(
+    dqs: &SharedMemory<f32>,
+    dq_acc: &mut Tensor<f32>,
+    b: usize,
+    h: usize,
+    q0: usize,
+    seq: usize,
+    #[comptime] d: usize,
+) {
+    let t = UNIT_POS as usize;
+    if t < comptime!(WGMMA_BWD_QROWS) {
+        let qi = q0 + t;
+        if qi < seq {
+            let dst = b * dq_acc.stride(0) + h * dq_acc.stride(1) + qi * dq_acc.stride(2);
+            bulk_reduce_add_f32(
+                dqs,
+                t * comptime!(WGMMA_BWD_DQ_PITCH),
+                dq_acc,
+                dst,
+                comptime!(d as u32 * 4),
+            );
+        }
+        tma_group_commit();
+    }
+}
+
 /// dK and dV (and dQ through bulk reductions) on Hopper's warpgroup MMA, head dim 128. Cube =
 /// (kv head, block of 128 keys, batch), 256 threads = two warpgroups, warpgroup `w` owning keys
 /// `64 w .. 64 w + 64` of the block. K and V are copied once into swizzled shared memory; the
 /// query blocks of 64 rows (every query head of the GQA group, from the causal start) are
-/// double buffered with `cp.async` behind one cube barrier each, as in the `mma.sync` kernels.
-/// Per query block and warpgroup:
-/// - `S^T = K Q^T` and `dP^T = V dO^T` (`m64n64k16`, both operands from shared memory);
-/// - `P^T = exp(S^T scale - lse)` (0 where the key follows the query) and
-///   `dS^T = P^T (dP^T - delta)` in the accumulator registers;
-/// - `dV += P^T dO` and `dK += dS^T Q` (`m64n128k16`, `P^T` / `dS^T` from registers as the
-///   forward's P, dO and Q read transposed as the forward's V);
+/// double buffered with `cp.async`. Per query block and warpgroup, each product one `wgmma`
+/// group, so that the tensor cores run while the warpgroup's threads do the elementwise work:
+/// - `S^T = K Q^T`, then `dP^T = V dO^T` (`m64n64k16`, both operands from shared memory);
+/// - once `S^T` is done, `P^T = exp(S^T scale - lse)` (0 where the key follows the query);
+/// - `dV += P^T dO` (`m64n128k16`, `P^T` from registers as the forward's P, dO read
+///   transposed as the forward's V), issued before `dS^T = P^T (dP^T - delta)` is computed;
 /// - `dS^T` to shared memory (bf16, swizzled `[key][query]`), a cube barrier, then the block's
 ///   `dQ = dS K` (`m64n64k16`: warpgroup `w` the head-dim half `w`, A = `dS^T` read transposed,
-///   B = K read transposed), staged as f32 rows and added to `dq_acc` (f32, dq's layout) by one
-///   bulk reduction per row.
+///   B = K read transposed) and `dK += dS^T Q`;
+/// - once dQ is done (dK still running), dQ staged as f32 rows, which the next block's first
+///   barrier publishes and one bulk reduction per row adds to `dq_acc` (f32, dq's layout).
+///
+/// Two cube barriers per block: the first both lands the block's copies and publishes the
+/// previous block's dQ rows, the second publishes `dS^T`.
 ///
 /// Why this shape: FlashAttention-3's backward (two consumer warpgroups of 64 keys, 64-query
 /// blocks). Registers: dK and dV 64 f32 each, `S^T` and `dP^T` 32 each, dQ 32.
@@ -4623,21 +4731,28 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
 
     let mut blk = 0usize;
     let mut h_off = 0usize;
+    // The previous block's dQ rows, staged in `dqs` and added at the next block's first
+    // barrier (which is also the one the copies of that block wait at).
+    let mut staged_q0 = 0usize;
+    let mut staged_h = 0usize;
     for it in 0..n_it {
         let q0 = (qb_start + blk) * bq;
         let h = h_first + h_off;
         let buf = it % 2;
         let q_off = buf * q_tile;
         let stat0 = buf * bq;
-        // The previous block's dQ reductions must have read the staging rows before anyone
-        // writes them again (after the barriers below).
-        if t < bq {
-            tma_group_wait_read(0u32);
-        }
+        // The previous block's dK reads its Q buffer, which the prefetch below refills.
+        wgmma_wait_group(0u32);
+        wgmma_fence_operands(&mut dk_acc);
+        // One barrier: this block's copies have landed and the previous block's dQ rows are
+        // staged (each thread fenced its staging stores before arriving).
         bar.commit_copy_async();
         bar.arrive_and_wait();
+        // `cp.async` wrote through the generic proxy, `wgmma` reads through the async one.
         sync_async_proxy_shared();
-        sync_cube();
+        if it > 0 {
+            reduce_dq_rows(&dqs, dq_acc, b, staged_h, staged_q0, seq, d);
+        }
         let mut next_blk = blk + 1;
         let mut next_h_off = h_off;
         if next_blk == n_blk {
@@ -4664,44 +4779,17 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
             );
         }
 
-        // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
+        // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys, one group each, so that
+        // P is computed while dP^T is still running.
         let mut s_acc = fresh_frags(q_tiles);
         let mut dp_acc = fresh_frags(q_tiles);
-        wgmma_fence();
-        #[unroll]
-        for kk in 0..comptime!(d / 16) {
-            let a_off = kv_wg + comptime!((kk / 4) * bk * 8 + (kk % 4) * 2);
-            let b_off = q_off + comptime!((kk / 4) * bq * 8 + (kk % 4) * 2);
-            let acc = comptime!(if kk == 0 { 0u32 } else { 1u32 });
-            let desc_k = wgmma_descriptor(&ks, a_off, 16u32, 1024u32, SWIZZLE_128B);
-            let desc_q = wgmma_descriptor(&qs, b_off, 16u32, 1024u32, SWIZZLE_128B);
-            wgmma_ss::<F>(
-                &mut s_acc,
-                desc_k,
-                desc_q,
-                comptime!(bq as u32),
-                0u32,
-                0u32,
-                acc,
-            );
-            let desc_v = wgmma_descriptor(&vs, a_off, 16u32, 1024u32, SWIZZLE_128B);
-            let desc_do = wgmma_descriptor(&dos, b_off, 16u32, 1024u32, SWIZZLE_128B);
-            wgmma_ss::<F>(
-                &mut dp_acc,
-                desc_v,
-                desc_do,
-                comptime!(bq as u32),
-                0u32,
-                0u32,
-                acc,
-            );
-        }
-        wgmma_commit_group();
-        wgmma_wait_group(0u32);
+        wgmma_bwd_scores::<F, N>(&mut s_acc, &ks, &qs, kv_wg, q_off, d);
+        wgmma_bwd_scores::<F, N>(&mut dp_acc, &vs, &dos, kv_wg, q_off, d);
+        wgmma_wait_group(1u32);
         wgmma_fence_operands(&mut s_acc);
-        wgmma_fence_operands(&mut dp_acc);
 
-        // P^T and dS^T: rows are this warp's keys, columns the block's queries.
+        // P^T: rows are this warp's keys, columns the block's queries (0 where the key
+        // follows the query, and for query rows past `seq`, whose lse is huge).
         #[unroll]
         for nt in 0..q_tiles {
             #[unroll]
@@ -4709,9 +4797,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
                 let ql = 8 * nt + c_lo + e;
                 let qi = q0 + ql;
                 let lse_q = lse_s[stat0 + ql];
-                let delta_q = delta_s[stat0 + ql];
                 let s_frag = s_acc.index(nt);
-                let dp_frag = dp_acc.index(nt);
                 #[unroll]
                 for hh in 0..2usize {
                     let mut key = wk0 + r_lo;
@@ -4722,55 +4808,44 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
                     if key > qi {
                         pe = f32::new(0.0);
                     }
-                    let idx = comptime!((nt * 2 + hh) * 2 + e);
-                    p[idx] = pe;
-                    ds[idx] = pe * (dp_frag[hh][e] - delta_q);
+                    p[comptime!((nt * 2 + hh) * 2 + e)] = pe;
                 }
             }
         }
 
-        // dV += P^T dO and dK += dS^T Q, P^T / dS^T from registers.
+        // dV += P^T dO (P^T from registers, dO read transposed) runs during dS^T.
         let mut p_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
-        let mut ds_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
         #[unroll]
         for kk in 0..comptime!(bq / 16) {
             p_frags.push(p_fragment::<F>(&p, 0usize, kk, q_tiles));
-            ds_frags.push(p_fragment::<F>(&ds, 0usize, kk, q_tiles));
         }
         wgmma_fence_operands(&mut dv_acc);
-        wgmma_fence_operands(&mut dk_acc);
-        wgmma_fence();
+        wgmma_rs_block::<F, N>(&mut dv_acc, &p_frags, &dos, q_off, d);
+        wgmma_wait_group(1u32);
+        wgmma_fence_operands(&mut dp_acc);
+
+        // dS^T = P^T (dP^T - delta).
+        #[unroll]
+        for nt in 0..q_tiles {
+            #[unroll]
+            for e in 0..2usize {
+                let delta_q = delta_s[stat0 + 8 * nt + c_lo + e];
+                let dp_frag = dp_acc.index(nt);
+                #[unroll]
+                for hh in 0..2usize {
+                    let idx = comptime!((nt * 2 + hh) * 2 + e);
+                    ds[idx] = p[idx] * (dp_frag[hh][e] - delta_q);
+                }
+            }
+        }
+        let mut ds_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
         #[unroll]
         for kk in 0..comptime!(bq / 16) {
-            // Queries 16 kk .. 16 kk + 16: two 8-row atoms into each 64-column block, the
-            // blocks `bq` rows apart.
-            let off = q_off + comptime!(kk * 128);
-            let desc_do =
-                wgmma_descriptor(&dos, off, comptime!(bq as u32 * 128), 1024u32, SWIZZLE_128B);
-            wgmma_rs::<F>(
-                &mut dv_acc,
-                p_frags.index(kk),
-                desc_do,
-                comptime!(d as u32),
-                1u32,
-                1u32,
-            );
-            let desc_q =
-                wgmma_descriptor(&qs, off, comptime!(bq as u32 * 128), 1024u32, SWIZZLE_128B);
-            wgmma_rs::<F>(
-                &mut dk_acc,
-                ds_frags.index(kk),
-                desc_q,
-                comptime!(d as u32),
-                1u32,
-                1u32,
-            );
+            ds_frags.push(p_fragment::<F>(&ds, 0usize, kk, q_tiles));
         }
-        wgmma_commit_group();
 
         // dS^T to shared memory from its A fragments (already rounded; pair j of fragment
-        // kk is query tile 2 kk + j / 2, row lo or hi by j % 2), as 4-byte stores, so that the
-        // f32 dS^T need not live on beside dK and dV.
+        // kk is query tile 2 kk + j / 2, row lo or hi by j % 2), as 4-byte stores.
         let key_lo = 16 * warp + r_lo;
         let key_hi = 16 * warp + r_hi;
         #[unroll]
@@ -4786,11 +4861,17 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
                 dss[sw128_chunk(key, nt, bk) * 4 + c_lo / 2] = frag[j];
             }
         }
+        // The previous block's reductions must have read the staging rows before they are
+        // written again below; the barrier after this publishes dS^T to both warpgroups.
+        if t < bq {
+            tma_group_wait_read(0u32);
+        }
         sync_async_proxy_shared();
         sync_cube();
 
-        // dQ = dS K for head-dim half `wg`: A = dS^T `[key][query]` read transposed, B = K
-        // `[key][d]` read transposed, 16 keys per step.
+        // dQ = dS K for head-dim half `wg` (A = dS^T `[key][query]` read transposed, B = K
+        // `[key][d]` read transposed, 16 keys per step), then dK += dS^T Q, which runs on
+        // while dQ is staged.
         let mut dq_acc_w = fresh_frags(comptime!(d / 16));
         wgmma_fence();
         #[unroll]
@@ -4820,12 +4901,13 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
             );
         }
         wgmma_commit_group();
-        wgmma_wait_group(0u32);
+        wgmma_fence_operands(&mut dk_acc);
+        wgmma_rs_block::<F, N>(&mut dk_acc, &ds_frags, &qs, q_off, d);
+        wgmma_wait_group(1u32);
         wgmma_fence_operands(&mut dq_acc_w);
         wgmma_fence_operands(&mut dv_acc);
-        wgmma_fence_operands(&mut dk_acc);
 
-        // Stage this warpgroup's dQ half as f32 rows, then one bulk reduction per row.
+        // Stage this warpgroup's dQ half as f32 rows for the next barrier's reductions.
         let qrow_lo = 16 * (warp % 4) + r_lo;
         let qrow_hi = 16 * (warp % 4) + r_hi;
         #[unroll]
@@ -4838,18 +4920,15 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
             dqs[qrow_hi * pitch + col + 1] = frag[1][1];
         }
         sync_async_proxy_shared();
-        sync_cube();
-        if t < bq {
-            let qi = q0 + t;
-            if qi < seq {
-                let dst = b * dq_acc.stride(0) + h * dq_acc.stride(1) + qi * dq_acc.stride(2);
-                bulk_reduce_add_f32(&dqs, t * pitch, dq_acc, dst, comptime!(d as u32 * 4));
-            }
-            tma_group_commit();
-        }
+        staged_q0 = q0;
+        staged_h = h;
         blk = next_blk;
         h_off = next_h_off;
     }
+    wgmma_wait_group(0u32);
+    wgmma_fence_operands(&mut dk_acc);
+    sync_cube();
+    reduce_dq_rows(&dqs, dq_acc, b, staged_h, staged_q0, seq, d);
     if t < bq {
         tma_group_wait_read(0u32);
     }
