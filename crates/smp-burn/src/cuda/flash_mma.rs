@@ -4429,10 +4429,10 @@ const WGMMA_BWD_QROWS: usize = 64;
 /// Keys per cube of the warpgroup-MMA dK/dV kernel: two warpgroups of 64.
 pub const WGMMA_BWD_KEYS: usize = 128;
 
-/// Pitch, in f32, of the warpgroup dK/dV kernel's dQ staging rows: 4 more than the head dim, so
-/// that a warp's pair stores of 8 rows fall on different banks, and every row still starts 16
-/// bytes aligned for its bulk reduction.
-const WGMMA_BWD_DQ_PITCH: usize = 132;
+/// Pitch, in f32 pairs, of the warpgroup dK/dV kernel's dQ staging rows (head dim 128): 8 f32
+/// more than a row, so that the 8-byte stores of a half-warp (4 rows, 4 pairs each) cover the
+/// 32 banks once, and every row still starts 16 bytes aligned for its bulk reduction.
+const WGMMA_BWD_DQ_PITCH: usize = 68;
 
 /// Issues the copies of one query block for [`flash_bwd_dkdv_wgmma`]: Q and dO rows `q0 ..
 /// q0 + 64` of head `h` into the swizzled tiles at chunk `dst0` of `qs` / `dos`, and lse and
@@ -4570,14 +4570,58 @@ fn wgmma_rs_block<F: Float, N: Size>(
     wgmma_commit_group();
 }
 
-/// Adds the staged dQ rows of query block `q0 ..` of head `h` (f32 rows of `dqs`, pitch
+/// `P^T = exp(S^T scale - lse)` of one warp's 16 keys (from `wk0`) and a block's queries (from
+/// `q0`, their lse from `lse_s[stat0 ..]`) into `p`, in accumulator order; with `masked`, 0
+/// where the key follows the query.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn wgmma_bwd_probs(
+    s_acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    p: &mut Array<f32>,
+    lse_s: &SharedMemory<f32>,
+    stat0: usize,
+    q0: usize,
+    wk0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    scale: f32,
+    #[comptime] q_tiles: usize,
+    #[comptime] masked: bool,
+) {
+    #[unroll]
+    for nt in 0..q_tiles {
+        #[unroll]
+        for e in 0..2usize {
+            let ql = 8 * nt + c_lo + e;
+            let lse_q = lse_s[stat0 + ql];
+            let s_frag = s_acc.index(nt);
+            #[unroll]
+            for hh in 0..2usize {
+                let mut pe = (s_frag[hh][e] * scale - lse_q).exp();
+                if comptime!(masked) {
+                    let mut key = wk0 + r_lo;
+                    if hh == 1 {
+                        key = wk0 + r_hi;
+                    }
+                    if key > q0 + ql {
+                        pe = f32::new(0.0);
+                    }
+                }
+                p[comptime!((nt * 2 + hh) * 2 + e)] = pe;
+            }
+        }
+    }
+}
+
+/// Adds the staged dQ rows of query block `q0 ..` of head `h` (f32 pair rows of `dqs`, pitch
 /// [`WGMMA_BWD_DQ_PITCH`]) to `dq_acc` (dq's layout): one bulk reduction per row before
 /// `seq`, issued by the first 64 threads and committed as one group each (their
 /// `tma_group_wait_read` frees the rows).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn reduce_dq_rows(
-    dqs: &SharedMemory<f32>,
+    dqs: &SharedMemory<Vector<f32, Const<2>>>,
     dq_acc: &mut Tensor<f32>,
     b: usize,
     h: usize,
@@ -4677,7 +4721,8 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     // column block).
     let mut dss =
         SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * bq / 2), 1024usize);
-    let mut dqs = SharedMemory::<f32>::new_aligned(comptime!(bq * pitch), 128usize);
+    let mut dqs =
+        SharedMemory::<Vector<f32, Const<2>>>::new_aligned(comptime!(bq * pitch), 128usize);
     let mut lse_s = SharedMemory::<f32>::new(comptime!(2 * bq));
     let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
 
@@ -4789,28 +4834,16 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
         wgmma_fence_operands(&mut s_acc);
 
         // P^T: rows are this warp's keys, columns the block's queries (0 where the key
-        // follows the query, and for query rows past `seq`, whose lse is huge).
-        #[unroll]
-        for nt in 0..q_tiles {
-            #[unroll]
-            for e in 0..2usize {
-                let ql = 8 * nt + c_lo + e;
-                let qi = q0 + ql;
-                let lse_q = lse_s[stat0 + ql];
-                let s_frag = s_acc.index(nt);
-                #[unroll]
-                for hh in 0..2usize {
-                    let mut key = wk0 + r_lo;
-                    if hh == 1 {
-                        key = wk0 + r_hi;
-                    }
-                    let mut pe = (s_frag[hh][e] * scale - lse_q).exp();
-                    if key > qi {
-                        pe = f32::new(0.0);
-                    }
-                    p[comptime!((nt * 2 + hh) * 2 + e)] = pe;
-                }
-            }
+        // follows the query, and for query rows past `seq`, whose lse is huge). The causal
+        // mask only where the warp's last key passes the block's first query.
+        if wk0 + 16 <= q0 + 1 {
+            wgmma_bwd_probs(
+                &s_acc, &mut p, &lse_s, stat0, q0, wk0, r_lo, r_hi, c_lo, scale, q_tiles, false,
+            );
+        } else {
+            wgmma_bwd_probs(
+                &s_acc, &mut p, &lse_s, stat0, q0, wk0, r_lo, r_hi, c_lo, scale, q_tiles, true,
+            );
         }
 
         // dV += P^T dO (P^T from registers, dO read transposed) runs during dS^T.
@@ -4912,12 +4945,10 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
         let qrow_hi = 16 * (warp % 4) + r_hi;
         #[unroll]
         for dt in 0..comptime!(d / 16) {
-            let col = wg * comptime!(d / 2) + 8 * dt + c_lo;
+            let pair = wg * comptime!(d / 4) + 4 * dt + c_lo / 2;
             let frag = dq_acc_w.index(dt);
-            dqs[qrow_lo * pitch + col] = frag[0][0];
-            dqs[qrow_lo * pitch + col + 1] = frag[0][1];
-            dqs[qrow_hi * pitch + col] = frag[1][0];
-            dqs[qrow_hi * pitch + col + 1] = frag[1][1];
+            dqs[qrow_lo * pitch + pair] = frag[0];
+            dqs[qrow_hi * pitch + pair] = frag[1];
         }
         sync_async_proxy_shared();
         staged_q0 = q0;
