@@ -59,7 +59,7 @@ use smp_burn::cuda::flash::{
     FlashLayout, FlashVariant, MmaBwdTiling, MmaTiling, cmma_supported, flash_backward_with,
     flash_forward_with, flash_layout, mma_bwd_tiling, mma_fragment_probe, mma_supported,
     mma_tiling, pair_atomics_supported, set_flash_layout, set_mma_bwd_tiling, set_mma_tiling,
-    wgmma_supported,
+    wgmma_backward_supported, wgmma_supported,
 };
 
 type G = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -310,6 +310,11 @@ static PAIR_ATOMICS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 /// `main`: the forward's default at head dim 128 depends on it.
 static WGMMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
+/// Whether the device runs the warpgroup-MMA backward on 16-byte rows
+/// (`flash::wgmma_backward_supported`), set once in `main`: the backward's default at head dim
+/// 128 depends on it.
+static WGMMA_BWD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 /// The label of a variant in the output: `plain`, `cmma`, or `mma[WxM,BWD]` with the Mma
 /// forward and backward tilings currently set (the forward's default depends on the head dim).
 fn variant_name(v: FlashVariant, head_dim: usize) -> String {
@@ -318,7 +323,7 @@ fn variant_name(v: FlashVariant, head_dim: usize) -> String {
         FlashVariant::Mma => format!(
             "mma[{},{}]",
             mma_tiling(head_dim, *WGMMA.get().unwrap_or(&false)),
-            mma_bwd_tiling(head_dim, pair_atomics)
+            mma_bwd_tiling(head_dim, pair_atomics, *WGMMA_BWD.get().unwrap_or(&false))
         ),
         other => other.name().to_string(),
     };
@@ -660,6 +665,19 @@ fn main() {
             std::process::exit(2);
         }
         args.tilings = kept;
+    }
+    let wgmma_bwd = wgmma_backward_supported(&client, 8);
+    let _ = WGMMA_BWD.set(wgmma_bwd);
+    if !wgmma_bwd && args.bwd_tilings.iter().any(|t| t.wgmma) {
+        println!(
+            "flash_check: skipping the warpgroup backward tilings: this device or build has no \
+             wgmma or no bulk reduction"
+        );
+        args.bwd_tilings.retain(|t| !t.wgmma);
+        if args.bwd_tilings.is_empty() {
+            eprintln!("flash_check: no backward tiling asked for runs here");
+            std::process::exit(2);
+        }
     }
     let has_cmma = cmma_supported(&client, DType::BF16);
     let has_mma = mma_supported(&client, DType::BF16);

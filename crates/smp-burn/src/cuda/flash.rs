@@ -67,7 +67,7 @@ pub use flash_mma::{
     BULK_REDUCE_BUILT, FLASH_BULK_DQ_ENV, MmaBwdPipe, MmaBwdTiling, MmaDq, MmaTiling,
     bulk_dq_supported, bulk_dq_used, deterministic, mma_async_supported, mma_bwd_tiling,
     mma_fragment_probe, mma_supported, mma_tiling, pair_atomics_supported, set_deterministic,
-    set_mma_bwd_tiling, set_mma_tiling, wgmma_supported,
+    set_mma_bwd_tiling, set_mma_tiling, wgmma_backward_supported, wgmma_supported,
 };
 
 /// Rows and keys per block in the plain kernels (one thread per (row, quarter of the columns)).
@@ -2170,7 +2170,8 @@ pub fn flash_backward_with<R: CubeRuntime>(
         "flash attention backward: too many rows ({total_rows})"
     );
     if variant == FlashVariant::Mma
-        && mma_bwd_tiling(head_dim, pair_atomics_supported(&client)).wide_delta
+        && flash_mma::backward_tiling(&client, head_dim, vector_width(&[&q, &k, &v, &d_o]))
+            .wide_delta
     {
         flash_mma::launch_delta_wide(o, &d_o, &delta, q_shape);
     } else {

@@ -445,20 +445,25 @@ impl MmaBwdTiling {
 
     /// The warpgroup-MMA dK/dV kernel (`8x64-atomic-cp-vd-wgmma`, `flash_bwd_dkdv_wgmma`): two
     /// warpgroups of 64 keys (128 per cube), 64-query blocks, every product a `wgmma`, dQ added
-    /// by one bulk reduction per row. Head dim 128 only. Not yet measured on a GPU (written in
-    /// session 18 without device time left): not a default.
+    /// by one bulk reduction per row. Head dim 128 with 16-byte rows only; elsewhere the
+    /// default runs in its place ([`backward_tiling`]). The default at head dim 128 where it
+    /// runs: 333 / 378 TFLOP/s at B8 S 4k / B2 S 16k where [`MmaBwdTiling::DEFAULT_HD128`]
+    /// gives 258 / 290 (session 19, calls GI and GK).
     pub const WGMMA: MmaBwdTiling = MmaBwdTiling {
         wgmma: true,
         ..MmaBwdTiling::new(8, 64, MmaDq::Atomic).with(MmaBwdPipe::Async, true)
     };
 
     /// The default for `head_dim` on a device that does (`pair_atomics`) or does not add f32
-    /// pairs atomically: with pair atomics and unless `SMP_BURN_DETERMINISTIC=1`,
-    /// [`MmaBwdTiling::DEFAULT_HD128`] at 128 and above and [`MmaBwdTiling::DEFAULT_HD64`] at
-    /// 64; else [`MmaBwdTiling::DEFAULT`].
-    pub fn default_for(head_dim: usize, pair_atomics: bool) -> MmaBwdTiling {
+    /// pairs atomically, and does or does not run the warpgroup kernel (`wgmma`,
+    /// [`wgmma_backward_supported`]): with pair atomics and unless `SMP_BURN_DETERMINISTIC=1`,
+    /// [`MmaBwdTiling::WGMMA`] at 128 with `wgmma`, else [`MmaBwdTiling::DEFAULT_HD128`] at 128
+    /// and above and [`MmaBwdTiling::DEFAULT_HD64`] at 64; else [`MmaBwdTiling::DEFAULT`].
+    pub fn default_for(head_dim: usize, pair_atomics: bool, wgmma: bool) -> MmaBwdTiling {
         if !pair_atomics || deterministic() {
             Self::DEFAULT
+        } else if head_dim == 128 && wgmma {
+            Self::WGMMA
         } else if head_dim >= 128 {
             Self::DEFAULT_HD128
         } else if head_dim == 64 {
@@ -712,7 +717,7 @@ fn parse_switch(value: &str) -> Option<bool> {
 ///
 /// # Panics
 /// If the environment variable is set to something else (as [`mma_tiling`]).
-pub fn mma_bwd_tiling(head_dim: usize, pair_atomics: bool) -> MmaBwdTiling {
+pub fn mma_bwd_tiling(head_dim: usize, pair_atomics: bool, wgmma: bool) -> MmaBwdTiling {
     if let Some(t) = *BWD_TILING_OVERRIDE
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -726,7 +731,7 @@ pub fn mma_bwd_tiling(head_dim: usize, pair_atomics: bool) -> MmaBwdTiling {
                  e.g. 8x64-atomic, or one of the -pf/-cp/-vd tilings of MmaBwdTiling::ALL"
             )
         }),
-        Err(_) => MmaBwdTiling::default_for(head_dim, pair_atomics),
+        Err(_) => MmaBwdTiling::default_for(head_dim, pair_atomics, wgmma),
     }
 }
 
@@ -2121,7 +2126,7 @@ const WGMMA_ROWS: usize = 128;
 ///   other, and its softmax overlaps the other's `wgmma`s (FlashAttention-3's ping-pong, here
 ///   left to the warp schedulers).
 #[cube(launch_unchecked, fast_math = FastMath::all())]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn flash_fwd_wgmma<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
@@ -2222,6 +2227,8 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
         let stage = kb % 2;
         let kv0 = stage * kv_tile;
         let next = kv_tile - kv0;
+        // Block kb's buffer is full: decoupled, each thread waits for it alone; lockstep, all
+        // threads meet at the one barrier.
         if comptime!(decoupled) {
             let phase = ((kb / 2) % 2) as u32;
             if stage == 0 {
@@ -2229,11 +2236,20 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
             } else {
                 full1.wait_parity(phase);
             }
-            // `cp.async` wrote through the generic proxy, `wgmma` reads through the async one.
-            sync_async_proxy_shared();
-            let mut s_acc = wg_scores::<F, N>(&qs, &ks, q_wg, kv0, d, keys);
-            if kb + 1 < n_kb {
-                // The other buffer held block kb - 1: both warpgroups must be done with it.
+        } else {
+            full0.commit_copy_async();
+            full0.arrive_and_wait();
+        }
+        // `cp.async` wrote through the generic proxy, `wgmma` reads through the async one.
+        sync_async_proxy_shared();
+        if comptime!(!decoupled) {
+            sync_cube();
+        }
+        let mut s_acc = wg_scores::<F, N>(&qs, &ks, q_wg, kv0, d, keys);
+        if kb + 1 < n_kb {
+            // Decoupled, the other buffer held block kb - 1: both warpgroups must be done with
+            // it (lockstep, the barrier above saw to that).
+            if comptime!(decoupled) {
                 if kb >= 1 {
                     let released = (((kb - 1) / 2) % 2) as u32;
                     if stage == 0 {
@@ -2242,22 +2258,24 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
                         empty0.wait_parity(released);
                     }
                 }
-                copy_kv_swizzled::<F, N>(
-                    k,
-                    v,
-                    k_base,
-                    v_base,
-                    k_rs,
-                    v_rs,
-                    k0 + keys,
-                    seq,
-                    &mut ks,
-                    &mut vs,
-                    next,
-                    keys,
-                    d,
-                    nthreads,
-                );
+            }
+            copy_kv_swizzled::<F, N>(
+                k,
+                v,
+                k_base,
+                v_base,
+                k_rs,
+                v_rs,
+                k0 + keys,
+                seq,
+                &mut ks,
+                &mut vs,
+                next,
+                keys,
+                d,
+                nthreads,
+            );
+            if comptime!(decoupled) {
                 if stage == 0 {
                     full1.commit_copy_async();
                     let _filled = full1.arrive();
@@ -2266,73 +2284,32 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
                     let _filled = full0.arrive();
                 }
             }
-            wg_finish_block::<F, N>(
-                &mut s_acc,
-                &mut p,
-                &mut m_run,
-                &mut l_run,
-                &mut o_acc,
-                &vs,
-                kv0,
-                k0,
-                row0,
-                r_lo,
-                r_hi,
-                c_lo,
-                scale,
-                rescale_slack,
-                d,
-                keys,
-                skip_rescale,
-            );
+        }
+        wg_finish_block::<F, N>(
+            &mut s_acc,
+            &mut p,
+            &mut m_run,
+            &mut l_run,
+            &mut o_acc,
+            &vs,
+            kv0,
+            k0,
+            row0,
+            r_lo,
+            r_hi,
+            c_lo,
+            scale,
+            rescale_slack,
+            d,
+            keys,
+            skip_rescale,
+        );
+        if comptime!(decoupled) {
             if stage == 0 {
                 let _released = empty0.arrive();
             } else {
                 let _released = empty1.arrive();
             }
-        } else {
-            full0.commit_copy_async();
-            full0.arrive_and_wait();
-            sync_async_proxy_shared();
-            sync_cube();
-            if kb + 1 < n_kb {
-                copy_kv_swizzled::<F, N>(
-                    k,
-                    v,
-                    k_base,
-                    v_base,
-                    k_rs,
-                    v_rs,
-                    k0 + keys,
-                    seq,
-                    &mut ks,
-                    &mut vs,
-                    next,
-                    keys,
-                    d,
-                    nthreads,
-                );
-            }
-            let mut s_acc = wg_scores::<F, N>(&qs, &ks, q_wg, kv0, d, keys);
-            wg_finish_block::<F, N>(
-                &mut s_acc,
-                &mut p,
-                &mut m_run,
-                &mut l_run,
-                &mut o_acc,
-                &vs,
-                kv0,
-                k0,
-                row0,
-                r_lo,
-                r_hi,
-                c_lo,
-                scale,
-                rescale_slack,
-                d,
-                keys,
-                skip_rescale,
-            );
         }
     }
 
@@ -5511,6 +5488,33 @@ pub fn wgmma_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
             .contains(cubecl::ir::features::Tma::Base)
 }
 
+/// Whether the warpgroup-MMA backward ([`MmaBwdTiling::WGMMA`]) runs on `client` for inputs
+/// read in vectors of `nv` elements: `wgmma` ([`wgmma_supported`]), the bulk reduction
+/// ([`BULK_REDUCE_BUILT`]) and 16-byte rows (`nv` 8), which its swizzled copies take whole.
+pub fn wgmma_backward_supported<R: CubeRuntime>(client: &ComputeClient<R>, nv: usize) -> bool {
+    nv == 8 && BULK_REDUCE_BUILT && wgmma_supported(client)
+}
+
+/// The backward tiling that runs at `head_dim` on `client` for inputs read in vectors of `nv`
+/// ([`mma_bwd_tiling`]): where a warpgroup tiling was asked for (by `SMP_BURN_FLASH_MMA_BWD_TILING`
+/// or [`set_mma_bwd_tiling`]) but cannot run (another head dim, narrower rows, no `wgmma`), the
+/// default for that case instead. Why not an error: a check or a model with several head dims
+/// asks for one tiling for all of them, as the forward's.
+pub(super) fn backward_tiling<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    head_dim: usize,
+    nv: usize,
+) -> MmaBwdTiling {
+    let pair_atomics = pair_atomics_supported(client);
+    let wgmma = wgmma_backward_supported(client, nv);
+    let tiling = mma_bwd_tiling(head_dim, pair_atomics, wgmma);
+    if tiling.wgmma && !(head_dim == 128 && wgmma) {
+        MmaBwdTiling::default_for(head_dim, pair_atomics, false)
+    } else {
+        tiling
+    }
+}
+
 /// Whether the device adds pairs of f32 atomically in global memory (CUDA sm_90 and later), as
 /// the [`MmaDq::Atomic`] tilings do.
 pub fn pair_atomics_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
@@ -5652,16 +5656,11 @@ pub(super) fn launch_backward<R: CubeRuntime>(
 ) {
     let [batch, heads_q, seq, head_dim] = shape;
     let group = heads_q / heads_kv;
-    let mut tiling = mma_bwd_tiling(head_dim, pair_atomics_supported(&q.client));
-    if tiling.wgmma && head_dim != 128 {
-        // The warpgroup kernel exists at head dim 128 only: elsewhere (the hd-64 shapes of a
-        // check run that asked for it) the default runs.
-        tiling = MmaBwdTiling::default_for(head_dim, pair_atomics_supported(&q.client));
-    }
     let client = q.client.clone();
     let device = q.device.clone();
     let dtype = q.dtype;
     let nv = vector_width(&[&q, &k, &v, &d_o]);
+    let tiling = backward_tiling(&client, head_dim, nv);
     let fused = tiling.dq == MmaDq::Atomic;
     if fused {
         assert!(
@@ -6264,17 +6263,42 @@ mod tests {
             return;
         }
         assert_eq!(
-            MmaBwdTiling::default_for(128, true),
+            MmaBwdTiling::default_for(128, true, false),
             MmaBwdTiling::DEFAULT_HD128
         );
         assert_eq!(MmaBwdTiling::DEFAULT_HD128.dq, MmaDq::Atomic);
-        assert_eq!(MmaBwdTiling::default_for(128, false), MmaBwdTiling::DEFAULT);
         assert_eq!(
-            MmaBwdTiling::default_for(64, true),
+            MmaBwdTiling::default_for(128, false, false),
+            MmaBwdTiling::DEFAULT
+        );
+        assert_eq!(
+            MmaBwdTiling::default_for(128, true, true),
+            MmaBwdTiling::WGMMA
+        );
+        assert_eq!(
+            MmaBwdTiling::default_for(128, false, true),
+            MmaBwdTiling::DEFAULT
+        );
+        assert_eq!(
+            MmaBwdTiling::default_for(64, true, true),
             MmaBwdTiling::DEFAULT_HD64
         );
-        assert_eq!(MmaBwdTiling::default_for(64, false), MmaBwdTiling::DEFAULT);
-        assert_eq!(MmaBwdTiling::default_for(96, true), MmaBwdTiling::DEFAULT);
+        assert_eq!(
+            MmaBwdTiling::default_for(256, true, true),
+            MmaBwdTiling::DEFAULT_HD128
+        );
+        assert_eq!(
+            MmaBwdTiling::default_for(64, true, false),
+            MmaBwdTiling::DEFAULT_HD64
+        );
+        assert_eq!(
+            MmaBwdTiling::default_for(64, false, false),
+            MmaBwdTiling::DEFAULT
+        );
+        assert_eq!(
+            MmaBwdTiling::default_for(96, true, true),
+            MmaBwdTiling::DEFAULT
+        );
         assert_eq!(MmaBwdTiling::DEFAULT.dq, MmaDq::Split);
         for (value, parsed) in [
             ("1", Some(true)),

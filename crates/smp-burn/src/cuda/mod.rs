@@ -104,9 +104,11 @@ pub fn attention_summary(head_dim: usize) -> String {
     let pair_atomics = cuda_compute_capability(0).is_some_and(|(major, _)| major >= 9);
     // Contiguous bf16 attention inputs at head dim 64 or 128 have the 16-byte rows it needs.
     let forward = flash::mma_tiling(head_dim, flash::WGMMA_BUILT && pair_atomics);
-    let tiling = flash::mma_bwd_tiling(head_dim, pair_atomics);
-    // Hopper's copy engine comes with sm_90, as the pair atomics do.
-    let bulk = flash::bulk_dq_used(tiling, flash::BULK_REDUCE_BUILT && pair_atomics);
+    let bulk_built = flash::BULK_REDUCE_BUILT && pair_atomics;
+    let tiling = flash::mma_bwd_tiling(head_dim, pair_atomics, flash::WGMMA_BUILT && bulk_built);
+    // Hopper's copy engine comes with sm_90, as the pair atomics do; the warpgroup kernel adds
+    // its dQ rows by bulk reductions of its own.
+    let bulk = tiling.wgmma || flash::bulk_dq_used(tiling, bulk_built);
     let reproducible = match (tiling.dq, bulk) {
         (flash::MmaDq::Atomic, true) => {
             "dQ summed by bulk asynchronous reductions, not bitwise reproducible; \
