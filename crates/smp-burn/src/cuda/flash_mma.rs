@@ -445,7 +445,7 @@ impl MmaBwdTiling {
 
     /// The warpgroup-MMA dK/dV kernel (`8x64-atomic-cp-vd-wgmma`, `flash_bwd_dkdv_wgmma`): two
     /// warpgroups of 64 keys (128 per cube), 64-query blocks, every product a `wgmma`, dQ added
-    /// by one bulk reduction per row. Head dim 128 with 16-byte rows only; elsewhere the
+    /// by one bulk reduction per row. Head dim 64 or 128 with 16-byte rows only; elsewhere the
     /// default runs in its place ([`backward_tiling`]). The default at head dim 128 where it
     /// runs: 333 / 378 TFLOP/s at B8 S 4k / B2 S 16k where [`MmaBwdTiling::DEFAULT_HD128`]
     /// gives 258 / 290 (session 19, calls GI and GK).
@@ -4406,10 +4406,13 @@ const WGMMA_BWD_QROWS: usize = 64;
 /// Keys per cube of the warpgroup-MMA dK/dV kernel: two warpgroups of 64.
 pub const WGMMA_BWD_KEYS: usize = 128;
 
-/// Pitch, in f32 pairs, of the warpgroup dK/dV kernel's dQ staging rows (head dim 128): 8 f32
+/// Pitch, in f32 pairs, of the warpgroup dK/dV kernel's dQ staging rows at head dim `d`: 8 f32
 /// more than a row, so that the 8-byte stores of a half-warp (4 rows, 4 pairs each) cover the
-/// 32 banks once, and every row still starts 16 bytes aligned for its bulk reduction.
-const WGMMA_BWD_DQ_PITCH: usize = 68;
+/// 32 banks once (rows 8 banks apart at d 64 and 128), and every row still starts 16 bytes
+/// aligned for its bulk reduction.
+const fn wgmma_bwd_dq_pitch(d: usize) -> usize {
+    d / 2 + 4
+}
 
 /// Issues the copies of one query block for [`flash_bwd_dkdv_wgmma`]: Q and dO rows `q0 ..
 /// q0 + 64` of head `h` into the swizzled tiles at chunk `dst0` of `qs` / `dos`, and lse and
@@ -4592,7 +4595,7 @@ fn wgmma_bwd_probs(
 }
 
 /// Adds the staged dQ rows of query block `q0 ..` of head `h` (f32 pair rows of `dqs`, pitch
-/// [`WGMMA_BWD_DQ_PITCH`]) to `dq_acc` (dq's layout): one bulk reduction per row before
+/// [`wgmma_bwd_dq_pitch`]) to `dq_acc` (dq's layout): one bulk reduction per row before
 /// `seq`, issued by the first 64 threads and committed as one group each (their
 /// `tma_group_wait_read` frees the rows).
 #[cube]
@@ -4613,7 +4616,7 @@ fn reduce_dq_rows(
             let dst = b * dq_acc.stride(0) + h * dq_acc.stride(1) + qi * dq_acc.stride(2);
             bulk_reduce_add_f32(
                 dqs,
-                t * comptime!(WGMMA_BWD_DQ_PITCH),
+                t * comptime!(wgmma_bwd_dq_pitch(d)),
                 dq_acc,
                 dst,
                 comptime!(d as u32 * 4),
@@ -4623,7 +4626,7 @@ fn reduce_dq_rows(
     }
 }
 
-/// dK and dV (and dQ through bulk reductions) on Hopper's warpgroup MMA, head dim 128. Cube =
+/// dK and dV (and dQ through bulk reductions) on Hopper's warpgroup MMA, head dim 64 or 128. Cube =
 /// (kv head, block of 128 keys, batch), 256 threads = two warpgroups, warpgroup `w` owning keys
 /// `64 w .. 64 w + 64` of the block. K and V are copied once into swizzled shared memory; the
 /// query blocks of 64 rows (every query head of the GQA group, from the causal start) are
@@ -4631,10 +4634,10 @@ fn reduce_dq_rows(
 /// group, so that the tensor cores run while the warpgroup's threads do the elementwise work:
 /// - `S^T = K Q^T`, then `dP^T = V dO^T` (`m64n64k16`, both operands from shared memory);
 /// - once `S^T` is done, `P^T = exp(S^T scale - lse)` (0 where the key follows the query);
-/// - `dV += P^T dO` (`m64n128k16`, `P^T` from registers as the forward's P, dO read
+/// - `dV += P^T dO` (`m64nDk16`, `P^T` from registers as the forward's P, dO read
 ///   transposed as the forward's V), issued before `dS^T = P^T (dP^T - delta)` is computed;
 /// - `dS^T` to shared memory (bf16, swizzled `[key][query]`), a cube barrier, then the block's
-///   `dQ = dS K` (`m64n64k16`: warpgroup `w` the head-dim half `w`, A = `dS^T` read transposed,
+///   `dQ = dS K` (`m64n(D/2)k16`: warpgroup `w` the head-dim half `w`, A = `dS^T` read transposed,
 ///   B = K read transposed) and `dK += dS^T Q`;
 /// - once dQ is done (dK still running), dQ staged as f32 rows, which the next block's first
 ///   barrier publishes and one bulk reduction per row adds to `dq_acc` (f32, dq's layout).
@@ -4643,7 +4646,7 @@ fn reduce_dq_rows(
 /// previous block's dQ rows, the second publishes `dS^T`.
 ///
 /// Why this shape: FlashAttention-3's backward (two consumer warpgroups of 64 keys, 64-query
-/// blocks). Registers: dK and dV 64 f32 each, `S^T` and `dP^T` 32 each, dQ 32.
+/// blocks). Registers at head dim 128: dK and dV 64 f32 each, `S^T` and `dP^T` 32 each, dQ 32.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
@@ -4664,7 +4667,9 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
 ) {
     let bk = comptime!(WGMMA_BWD_KEYS);
     let bq = comptime!(WGMMA_BWD_QROWS);
-    let pitch = comptime!(WGMMA_BWD_DQ_PITCH);
+    let pitch = comptime!(wgmma_bwd_dq_pitch(d));
+    // Chunk offset of head-dim column `d / 2` in the swizzled K tile (`sw128_chunk` of row 0).
+    let dq_half_chunks = comptime!((d / 16) / 8 * WGMMA_BWD_KEYS * 8 + (d / 16) % 8);
     let kv_tile = comptime!(bk * d / 8);
     let q_tile = comptime!(bq * d / 8);
     let q_tiles = comptime!(bq / 8);
@@ -4893,9 +4898,11 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
                 1024u32,
                 SWIZZLE_128B,
             );
+            // Head-dim half `wg` starts `d / 2` columns in: a column block of its own at d 128,
+            // 64 bytes into the one block at d 64.
             let desc_k = wgmma_descriptor(
                 &ks,
-                wg * comptime!(bk * 8) + comptime!(kk * 128),
+                wg * dq_half_chunks + comptime!(kk * 128),
                 comptime!(bk as u32 * 128),
                 1024u32,
                 SWIZZLE_128B,
@@ -5508,7 +5515,7 @@ pub(super) fn backward_tiling<R: CubeRuntime>(
     let pair_atomics = pair_atomics_supported(client);
     let wgmma = wgmma_backward_supported(client, nv);
     let tiling = mma_bwd_tiling(head_dim, pair_atomics, wgmma);
-    if tiling.wgmma && !(head_dim == 128 && wgmma) {
+    if tiling.wgmma && !(matches!(head_dim, 64 | 128) && wgmma) {
         MmaBwdTiling::default_for(head_dim, pair_atomics, false)
     } else {
         tiling
@@ -5724,13 +5731,13 @@ pub(super) fn launch_backward<R: CubeRuntime>(
     // `nv`-aligned global offsets (`vector_width`) and 16-byte aligned shared rows.
     if tiling.wgmma {
         assert!(
-            wgmma_supported(&client) && BULK_REDUCE_BUILT && nv == 8 && head_dim == 128,
+            wgmma_backward_supported(&client, nv) && matches!(head_dim, 64 | 128),
             "flash attention backward (Mma): {tiling} needs wgmma and the bulk reduction (sm_90+ \
-             and the workspace's vendored CubeCL), 16-byte rows and head dim 128; got vectors of \
-             {nv} at head dim {head_dim}"
+             and the workspace's vendored CubeCL), 16-byte rows and head dim 64 or 128; got \
+             vectors of {nv} at head dim {head_dim}"
         );
         // SAFETY: as below; the swizzled tiles are 1024-byte aligned and `sw128_chunk` stays
-        // inside them; each bulk reduction adds one 512-byte dQ row at a 16-byte aligned
+        // inside them; each bulk reduction adds one dQ row (4 d bytes) at a 16-byte aligned
         // address of `dq_acc` (dq's layout, rows < seq only).
         unsafe {
             flash_bwd_dkdv_wgmma::launch_unchecked::<R>(
