@@ -126,8 +126,8 @@ use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 
 use super::super::wgmma::{
-    SWIZZLE_128B, WGMMA_BUILT, wgmma_commit_group, wgmma_descriptor, wgmma_fence,
-    wgmma_fence_operands, wgmma_rs, wgmma_ss, wgmma_wait_group,
+    SWIZZLE_128B, WGMMA_BUILT, wgmma_commit_group, wgmma_descriptor, wgmma_descriptor_at,
+    wgmma_fence, wgmma_fence_operands, wgmma_rs, wgmma_ss, wgmma_wait_group,
 };
 use super::{FlashLayout, load_tile_regs, stage_tile, store_tile_regs, vector_width};
 
@@ -1924,15 +1924,15 @@ fn wg_scores<F: Float, N: Size>(
 ) -> Sequence<Array<Vector<f32, Const<2>>>> {
     let bq = comptime!(WGMMA_ROWS);
     let mut s_acc = fresh_frags(comptime!(keys / 8));
+    let desc_a0 = wgmma_descriptor(qs, q_wg, 16u32, 1024u32, SWIZZLE_128B);
+    let desc_b0 = wgmma_descriptor(ks, kv0, 16u32, 1024u32, SWIZZLE_128B);
     wgmma_fence();
     #[unroll]
     for kk in 0..comptime!(d / 16) {
         // Step kk: 16 columns = 32 bytes into 64-column block kk / 4. K-major operands ignore
         // the leading offset under a swizzle; 8-row atoms are 1024 bytes apart.
-        let a_off = q_wg + comptime!((kk / 4) * bq * 8 + (kk % 4) * 2);
-        let b_off = kv0 + comptime!((kk / 4) * keys * 8 + (kk % 4) * 2);
-        let desc_a = wgmma_descriptor(qs, a_off, 16u32, 1024u32, SWIZZLE_128B);
-        let desc_b = wgmma_descriptor(ks, b_off, 16u32, 1024u32, SWIZZLE_128B);
+        let desc_a = wgmma_descriptor_at(desc_a0, comptime!((kk / 4) * bq * 8 + (kk % 4) * 2));
+        let desc_b = wgmma_descriptor_at(desc_b0, comptime!((kk / 4) * keys * 8 + (kk % 4) * 2));
         wgmma_ss::<F>(
             &mut s_acc,
             desc_a,
@@ -2030,19 +2030,14 @@ fn wg_pv<F: Float, N: Size>(
     for kk in 0..comptime!(keys / 16) {
         p_frags.push(p_fragment::<F>(p, 0usize, kk, comptime!(keys / 8)));
     }
+    let desc_v0 = wgmma_descriptor(vs, kv0, comptime!(keys as u32 * 128), 1024u32, SWIZZLE_128B);
     wgmma_fence_operands(o_acc);
     wgmma_fence();
     #[unroll]
     for kk in 0..comptime!(keys / 16) {
         // Keys 16 kk .. 16 kk + 16: two 8-row atoms, 2 KiB into each 64-column block, the
         // blocks `keys` rows (leading offset) apart.
-        let desc_v = wgmma_descriptor(
-            vs,
-            kv0 + comptime!(kk * 128),
-            comptime!(keys as u32 * 128),
-            1024u32,
-            SWIZZLE_128B,
-        );
+        let desc_v = wgmma_descriptor_at(desc_v0, comptime!(kk * 128));
         wgmma_rs::<F>(
             o_acc,
             p_frags.index(kk),
@@ -4492,14 +4487,14 @@ fn wgmma_bwd_scores<F: Float, N: Size>(
 ) {
     let bk = comptime!(WGMMA_BWD_KEYS);
     let bq = comptime!(WGMMA_BWD_QROWS);
+    let desc_a0 = wgmma_descriptor(a, a_wg, 16u32, 1024u32, SWIZZLE_128B);
+    let desc_b0 = wgmma_descriptor(b, b0, 16u32, 1024u32, SWIZZLE_128B);
     wgmma_fence();
     #[unroll]
     for kk in 0..comptime!(d / 16) {
         // Step kk: 16 columns = 32 bytes into 64-column block kk / 4 (as `wg_scores`).
-        let a_off = a_wg + comptime!((kk / 4) * bk * 8 + (kk % 4) * 2);
-        let b_off = b0 + comptime!((kk / 4) * bq * 8 + (kk % 4) * 2);
-        let desc_a = wgmma_descriptor(a, a_off, 16u32, 1024u32, SWIZZLE_128B);
-        let desc_b = wgmma_descriptor(b, b_off, 16u32, 1024u32, SWIZZLE_128B);
+        let desc_a = wgmma_descriptor_at(desc_a0, comptime!((kk / 4) * bk * 8 + (kk % 4) * 2));
+        let desc_b = wgmma_descriptor_at(desc_b0, comptime!((kk / 4) * bq * 8 + (kk % 4) * 2));
         wgmma_ss::<F>(
             acc,
             desc_a,
@@ -4526,18 +4521,13 @@ fn wgmma_rs_block<F: Float, N: Size>(
     #[comptime] d: usize,
 ) {
     let bq = comptime!(WGMMA_BWD_QROWS);
+    let desc_b0 = wgmma_descriptor(b, b0, comptime!(bq as u32 * 128), 1024u32, SWIZZLE_128B);
     wgmma_fence();
     #[unroll]
     for kk in 0..comptime!(bq / 16) {
         // Queries 16 kk .. 16 kk + 16: two 8-row atoms into each 64-column block, the blocks
         // `bq` rows (leading offset) apart.
-        let desc_b = wgmma_descriptor(
-            b,
-            b0 + comptime!(kk * 128),
-            comptime!(bq as u32 * 128),
-            1024u32,
-            SWIZZLE_128B,
-        );
+        let desc_b = wgmma_descriptor_at(desc_b0, comptime!(kk * 128));
         wgmma_rs::<F>(
             acc,
             a_frags.index(kk),
@@ -4888,25 +4878,28 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
         // `[key][d]` read transposed, 16 keys per step), then dK += dS^T Q, which runs on
         // while dQ is staged.
         let mut dq_acc_w = fresh_frags(comptime!(d / 16));
+        // Head-dim half `wg` starts `d / 2` columns in: a column block of its own at d 128,
+        // 64 bytes into the one block at d 64.
+        let desc_ds0 = wgmma_descriptor(
+            &dss,
+            0usize,
+            comptime!(bk as u32 * 128),
+            1024u32,
+            SWIZZLE_128B,
+        );
+        let desc_k0 = wgmma_descriptor(
+            &ks,
+            wg * dq_half_chunks,
+            comptime!(bk as u32 * 128),
+            1024u32,
+            SWIZZLE_128B,
+        );
         wgmma_fence();
         #[unroll]
         for kk in 0..comptime!(bk / 16) {
-            let desc_ds = wgmma_descriptor(
-                &dss,
-                comptime!(kk * 128 * 4),
-                comptime!(bk as u32 * 128),
-                1024u32,
-                SWIZZLE_128B,
-            );
-            // Head-dim half `wg` starts `d / 2` columns in: a column block of its own at d 128,
-            // 64 bytes into the one block at d 64.
-            let desc_k = wgmma_descriptor(
-                &ks,
-                wg * dq_half_chunks + comptime!(kk * 128),
-                comptime!(bk as u32 * 128),
-                1024u32,
-                SWIZZLE_128B,
-            );
+            // Keys 16 kk .. 16 kk + 16: 2 KiB into `dS^T` and into K's column block.
+            let desc_ds = wgmma_descriptor_at(desc_ds0, comptime!(kk * 128));
+            let desc_k = wgmma_descriptor_at(desc_k0, comptime!(kk * 128));
             wgmma_ss::<F>(
                 &mut dq_acc_w,
                 desc_ds,
@@ -6262,50 +6255,32 @@ mod tests {
         assert_eq!(MmaTiling::WGMMA_DECOUPLED.rows(), WGMMA_ROWS);
     }
 
-    /// The backward's default follows the head dim and the device (call DV), and the
+    /// The backward's default follows the head dim and the device (calls DV, GL), and the
     /// determinism switch reads only clear values.
     #[test]
     fn backward_default_by_head_dim_and_device() {
         if std::env::var_os("SMP_BURN_DETERMINISTIC").is_some() {
             return;
         }
-        assert_eq!(
-            MmaBwdTiling::default_for(128, true, false),
-            MmaBwdTiling::DEFAULT_HD128
-        );
+        // (head dim, pair atomics, wgmma backward) -> default.
+        for (head_dim, pair_atomics, wgmma, expected) in [
+            (128, true, true, MmaBwdTiling::WGMMA),
+            (128, true, false, MmaBwdTiling::DEFAULT_HD128),
+            (128, false, true, MmaBwdTiling::DEFAULT),
+            (128, false, false, MmaBwdTiling::DEFAULT),
+            (256, true, true, MmaBwdTiling::DEFAULT_HD128),
+            (64, true, true, MmaBwdTiling::DEFAULT_HD64),
+            (64, true, false, MmaBwdTiling::DEFAULT_HD64),
+            (64, false, false, MmaBwdTiling::DEFAULT),
+            (96, true, true, MmaBwdTiling::DEFAULT),
+        ] {
+            assert_eq!(
+                MmaBwdTiling::default_for(head_dim, pair_atomics, wgmma),
+                expected,
+                "head dim {head_dim}, pair atomics {pair_atomics}, wgmma {wgmma}"
+            );
+        }
         assert_eq!(MmaBwdTiling::DEFAULT_HD128.dq, MmaDq::Atomic);
-        assert_eq!(
-            MmaBwdTiling::default_for(128, false, false),
-            MmaBwdTiling::DEFAULT
-        );
-        assert_eq!(
-            MmaBwdTiling::default_for(128, true, true),
-            MmaBwdTiling::WGMMA
-        );
-        assert_eq!(
-            MmaBwdTiling::default_for(128, false, true),
-            MmaBwdTiling::DEFAULT
-        );
-        assert_eq!(
-            MmaBwdTiling::default_for(64, true, true),
-            MmaBwdTiling::DEFAULT_HD64
-        );
-        assert_eq!(
-            MmaBwdTiling::default_for(256, true, true),
-            MmaBwdTiling::DEFAULT_HD128
-        );
-        assert_eq!(
-            MmaBwdTiling::default_for(64, true, false),
-            MmaBwdTiling::DEFAULT_HD64
-        );
-        assert_eq!(
-            MmaBwdTiling::default_for(64, false, false),
-            MmaBwdTiling::DEFAULT
-        );
-        assert_eq!(
-            MmaBwdTiling::default_for(96, true, true),
-            MmaBwdTiling::DEFAULT
-        );
         assert_eq!(MmaBwdTiling::DEFAULT.dq, MmaDq::Split);
         for (value, parsed) in [
             ("1", Some(true)),

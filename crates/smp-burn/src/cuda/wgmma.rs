@@ -134,6 +134,16 @@ pub(super) mod wgmma_descriptor {
     }
 }
 
+/// `desc` ([`wgmma_descriptor`]) moved `chunks` 16-byte units further into its buffer: the
+/// start address field counts 16-byte units from bit 0, and shared addresses stay below its
+/// 18-bit reach, so this is the same value [`wgmma_descriptor`] gives for the later offset.
+/// Why: a 64-bit add of a constant is two instructions where a fresh descriptor is about five
+/// (address, mask, shift, fields), and a block issues dozens of `wgmma`s per thread.
+#[cube]
+pub(super) fn wgmma_descriptor_at(desc: u64, #[comptime] chunks: usize) -> u64 {
+    desc + u64::new(comptime!(chunks as i64))
+}
+
 /// `acc (+)= A B` for this warpgroup's `64 x n` tile, both operands from shared memory
 /// (descriptors `desc_a` over 64 rows by 16 of the contraction, `desc_b` over 16 by `n`).
 /// `acc` holds the warp's `n / 8` fragments; `accumulate` 0 overwrites them. `trans_a` /
