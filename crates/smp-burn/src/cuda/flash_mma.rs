@@ -2013,6 +2013,39 @@ fn wg_softmax(
     }
 }
 
+/// Issues one warpgroup's `acc += A B` over `rows` rows of a `rows`-row swizzled tile and
+/// commits it as one group: A from registers (`a_frags`, the warp's fragments, 16 rows of the
+/// contraction each: the forward's P, the backward's `P^T` or `dS^T`), B the tile at chunk
+/// `b0` read transposed (V, dO or Q: `O += P V`, `dV += P^T dO`, `dK += dS^T Q`), `d` wide.
+/// Nothing waits; `a_frags` must live until the group completes.
+#[cube]
+fn wgmma_rs_block<F: Float, N: Size>(
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    a_frags: &Sequence<Array<Vector<F, Const<2>>>>,
+    b: &SharedMemory<Vector<F, N>>,
+    b0: usize,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+) {
+    let desc_b0 = wgmma_descriptor(b, b0, comptime!(rows as u32 * 128), 1024u32, SWIZZLE_128B);
+    wgmma_fence();
+    #[unroll]
+    for kk in 0..comptime!(rows / 16) {
+        // Rows 16 kk .. 16 kk + 16: two 8-row atoms, 2 KiB into each 64-column block, the
+        // blocks `rows` rows (leading offset) apart.
+        let desc_b = wgmma_descriptor_at(desc_b0, comptime!(kk * 128));
+        wgmma_rs::<F>(
+            acc,
+            a_frags.index(kk),
+            desc_b,
+            comptime!(d as u32),
+            1u32,
+            1u32,
+        );
+    }
+    wgmma_commit_group();
+}
+
 /// Issues this warpgroup's `O += P V` for one key block: P (the warp's probabilities, rounded
 /// to `F`) from registers, V (tile at chunk `kv0`) read transposed from shared memory; commits
 /// one group. Nothing waits; `p`'s fragments must live until the group completes.
@@ -2030,24 +2063,8 @@ fn wg_pv<F: Float, N: Size>(
     for kk in 0..comptime!(keys / 16) {
         p_frags.push(p_fragment::<F>(p, 0usize, kk, comptime!(keys / 8)));
     }
-    let desc_v0 = wgmma_descriptor(vs, kv0, comptime!(keys as u32 * 128), 1024u32, SWIZZLE_128B);
     wgmma_fence_operands(o_acc);
-    wgmma_fence();
-    #[unroll]
-    for kk in 0..comptime!(keys / 16) {
-        // Keys 16 kk .. 16 kk + 16: two 8-row atoms, 2 KiB into each 64-column block, the
-        // blocks `keys` rows (leading offset) apart.
-        let desc_v = wgmma_descriptor_at(desc_v0, comptime!(kk * 128));
-        wgmma_rs::<F>(
-            o_acc,
-            p_frags.index(kk),
-            desc_v,
-            comptime!(d as u32),
-            1u32,
-            1u32,
-        );
-    }
-    wgmma_commit_group();
+    wgmma_rs_block::<F, N>(o_acc, &p_frags, vs, kv0, keys, d);
 }
 
 /// The rest of one key block for this warpgroup once its scores are issued: waits for them,
@@ -4508,38 +4525,6 @@ fn wgmma_bwd_scores<F: Float, N: Size>(
     wgmma_commit_group();
 }
 
-/// Issues one warpgroup's `acc += A B` over one 64-query block and commits it as one group: A
-/// from registers (`a_frags`, the warp's `P^T` or `dS^T` fragments, 16 queries each), B the dO
-/// or Q tile at chunk `b0` read transposed (`dV += P^T dO`, `dK += dS^T Q`). Nothing waits;
-/// `a_frags` must live until the group completes.
-#[cube]
-fn wgmma_rs_block<F: Float, N: Size>(
-    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    a_frags: &Sequence<Array<Vector<F, Const<2>>>>,
-    b: &SharedMemory<Vector<F, N>>,
-    b0: usize,
-    #[comptime] d: usize,
-) {
-    let bq = comptime!(WGMMA_BWD_QROWS);
-    let desc_b0 = wgmma_descriptor(b, b0, comptime!(bq as u32 * 128), 1024u32, SWIZZLE_128B);
-    wgmma_fence();
-    #[unroll]
-    for kk in 0..comptime!(bq / 16) {
-        // Queries 16 kk .. 16 kk + 16: two 8-row atoms into each 64-column block, the blocks
-        // `bq` rows (leading offset) apart.
-        let desc_b = wgmma_descriptor_at(desc_b0, comptime!(kk * 128));
-        wgmma_rs::<F>(
-            acc,
-            a_frags.index(kk),
-            desc_b,
-            comptime!(d as u32),
-            1u32,
-            1u32,
-        );
-    }
-    wgmma_commit_group();
-}
-
 /// `P^T = exp(S^T scale - lse)` of one warp's 16 keys (from `wk0`) and a block's queries (from
 /// `q0`, their lse from `lse_s[stat0 ..]`) into `p`, in accumulator order; with `masked`, 0
 /// where the key follows the query.
@@ -4825,7 +4810,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
             p_frags.push(p_fragment::<F>(&p, 0usize, kk, q_tiles));
         }
         wgmma_fence_operands(&mut dv_acc);
-        wgmma_rs_block::<F, N>(&mut dv_acc, &p_frags, &dos, q_off, d);
+        wgmma_rs_block::<F, N>(&mut dv_acc, &p_frags, &dos, q_off, bq, d);
         wgmma_wait_group(1u32);
         wgmma_fence_operands(&mut dp_acc);
 
@@ -4912,7 +4897,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
         }
         wgmma_commit_group();
         wgmma_fence_operands(&mut dk_acc);
-        wgmma_rs_block::<F, N>(&mut dk_acc, &ds_frags, &qs, q_off, d);
+        wgmma_rs_block::<F, N>(&mut dk_acc, &ds_frags, &qs, q_off, bq, d);
         wgmma_wait_group(1u32);
         wgmma_fence_operands(&mut dq_acc_w);
         wgmma_fence_operands(&mut dv_acc);
