@@ -4643,8 +4643,6 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let bk = comptime!(WGMMA_BWD_KEYS);
     let bq = comptime!(WGMMA_BWD_QROWS);
     let pitch = comptime!(wgmma_bwd_dq_pitch(d));
-    // Chunk offset of head-dim column `d / 2` in the swizzled K tile (`sw128_chunk` of row 0).
-    let dq_half_chunks = comptime!((d / 16) / 8 * WGMMA_BWD_KEYS * 8 + (d / 16) % 8);
     let kv_tile = comptime!(bk * d / 8);
     let q_tile = comptime!(bq * d / 8);
     let q_tiles = comptime!(bq / 8);
@@ -4661,7 +4659,9 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let t = UNIT_POS as usize;
     // This warp's first key, and its warpgroup's first K/V row (chunk offset of its atom).
     let wk0 = k0 + 16 * warp;
-    let kv_wg = wg * 512;
+    let kv_wg = sw128_chunk(64 * wg, 0usize, bk);
+    // Chunk offset of head-dim column `d / 2` (the second dQ half's first) in row 0 of K.
+    let dq_half_chunks = sw128_chunk(0usize, comptime!(d / 16), bk);
 
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
