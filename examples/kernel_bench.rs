@@ -34,6 +34,7 @@ use smp_burn::cuda::CudaCube;
 use smp_burn::cuda::adamw::{AdamWStep, adamw_step, weighted_sq_sum};
 use smp_burn::fast::{FastPaths, set_fast_paths};
 use smp_burn::ops;
+use smp_burn::optim::RunRates;
 
 type B = CudaCube;
 type Ad = Autodiff<B>;
@@ -348,18 +349,15 @@ fn check_attention() -> bool {
 
 /// The reference AdamW update (what `fsdp::ShardedUnit::adamw_step` computes with Burn ops) on
 /// the host in f64, for one element.
-fn adamw_ref(p: f32, g: f32, m: f32, v: f32, hp: &AdamWStep, decays: bool) -> [f32; 3] {
+fn adamw_ref(p: f32, g: f32, m: f32, v: f32, hp: &AdamWStep, rates: &RunRates) -> [f32; 3] {
     let (p, g, m, v) = (p as f64, g as f64, m as f64, v as f64);
     let (b1, b2) = (hp.beta1 as f64, hp.beta2 as f64);
     let m = m * b1 + g * (1.0 - b1);
     let v = v * b2 + g * g * (1.0 - b2);
     let denom = (v * hp.inv_bias2 as f64).sqrt() + hp.eps as f64;
-    let decay = if decays {
-        hp.lr as f64 * hp.weight_decay as f64
-    } else {
-        0.0
-    };
-    let p = p - p * decay - m * hp.inv_bias1 as f64 / denom * hp.lr as f64;
+    let lr = hp.lr as f64 * rates.lr_scale as f64;
+    let decay = lr * rates.weight_decay as f64;
+    let p = p - p * decay - m * hp.inv_bias1 as f64 / denom * lr;
     [p as f32, m as f32, v as f32]
 }
 
@@ -372,7 +370,14 @@ fn adamw_hp(step: i32) -> AdamWStep {
         eps: 1e-8,
         inv_bias1: 1.0 / (1.0 - beta1.powi(step)),
         inv_bias2: 1.0 / (1.0 - beta2.powi(step)),
-        weight_decay: 0.1,
+    }
+}
+
+/// A run's rates: weight decay 0.1 where it decays, and a learning-rate scale.
+fn rates(decays: bool, lr_scale: f32) -> RunRates {
+    RunRates {
+        lr_scale,
+        weight_decay: if decays { 0.1 } else { 0.0 },
     }
 }
 
@@ -382,11 +387,18 @@ fn check_adamw() -> bool {
     let dev = device();
     let mut ok = true;
     for case in [
-        (1usize, vec![(0..1, true)]),
-        (1000, vec![(0..600, true), (600..1000, false)]),
+        (1usize, vec![(0..1, rates(true, 1.0))]),
+        (
+            1000,
+            vec![(0..600, rates(true, 1.0)), (600..1000, rates(false, 0.5))],
+        ),
         (
             4097,
-            vec![(0..7, false), (7..4000, true), (4000..4097, false)],
+            vec![
+                (0..7, rates(false, 1.0)),
+                (7..4000, rates(true, 2.0)),
+                (4000..4097, rates(false, 1.0)),
+            ],
         ),
     ]
     .into_iter()
@@ -433,9 +445,9 @@ fn check_adamw() -> bool {
         let back = |c| host(float(c));
         let got = [back(np), back(nm), back(nv)];
         let mut want = [vec![0f32; len], vec![0f32; len], vec![0f32; len]];
-        for (r, decays) in &runs {
+        for (r, run_rates) in &runs {
             for i in r.clone() {
-                let w = adamw_ref(hp_[i], hg[i] * 0.5, hm[i], hv[i], &hp, *decays);
+                let w = adamw_ref(hp_[i], hg[i] * 0.5, hm[i], hv[i], &hp, run_rates);
                 for k in 0..3 {
                     want[k][i] = w[k];
                 }
@@ -471,7 +483,10 @@ fn bench_adamw() {
     let g = rnd();
     let scale = Tensor::<B, 1>::from_floats([1.0], &dev);
     let hp = adamw_hp(10);
-    let runs = [(0..n - 4096, true), (n - 4096..n, false)];
+    let runs = [
+        (0..n - 4096, rates(true, 1.0)),
+        (n - 4096..n, rates(false, 1.0)),
+    ];
     let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
     // Moved in and out by value so that every buffer is uniquely held and updated in place,
     // as in training (a second handle would make the kernel copy first).
@@ -510,7 +525,7 @@ fn bench_adamw() {
         v = v.clone() * b2 + gg.square() * (1.0 - b2);
         let denom = (v.clone() * hp.inv_bias2 as f64).sqrt() + hp.eps as f64;
         let update = m.clone() * hp.inv_bias1 as f64 / denom;
-        let decayed = p.clone() - p.clone() * mask.clone() * (hp.lr * hp.weight_decay) as f64;
+        let decayed = p.clone() - p.clone() * mask.clone() * (hp.lr * 0.1) as f64;
         p = decayed - update * hp.lr as f64;
     });
     let bytes = 28.0 * n as f64;

@@ -57,9 +57,12 @@ pub struct ParallelConfig {
     /// input back (SMP's `activation_loading_horizon`; at least 1). Each costs one layer input
     /// of device memory.
     pub activation_loading_horizon: usize,
-    /// Free gathered parameters after a unit's forward and gather them again for its backward.
-    /// Implied by activation checkpointing.
-    pub reshard_after_forward: bool,
+    /// With tensor parallelism, split the residual stream between split regions along the
+    /// sequence (Megatron's sequence parallelism: norms, residuals and saved block inputs take
+    /// `1 / tp` of the memory, and the collectives are all-gathers and reduce-scatters); without
+    /// it every rank of the group holds the whole sequence and the row-parallel outputs are
+    /// all-reduced.
+    pub sequence_parallel: bool,
     /// Units whose all-gather is started ahead of use: 0 = gather each unit when it runs; 1 =
     /// start the next unit's gather before the current unit's compute is queued, so that on
     /// CUDA the two run side by side. 1 also overlaps the backward's other direction: a unit's
@@ -81,7 +84,7 @@ impl Default for ParallelConfig {
             checkpointed_layers: None,
             activation_offloading: false,
             activation_loading_horizon: 2,
-            reshard_after_forward: true,
+            sequence_parallel: true,
             prefetch_depth: 1,
         }
     }

@@ -9,6 +9,14 @@ pub enum SmpError {
     /// A collective failed (timeout, dead peer, size mismatch).
     #[error(transparent)]
     Comm(#[from] collectives::CommError),
+    /// A tensor-parallel collective failed inside a layer or the backward pass, or a layer was
+    /// built with another tensor-parallel group than the engine's.
+    #[error("tensor parallelism: {0}")]
+    TensorParallel(String),
+    /// The engine was used in a way that would give wrong results (a gradient left unreduced,
+    /// a model whose shapes do not fit the mesh); the message says what and how to fix it.
+    #[error("{0}")]
+    Usage(String),
     /// A CUDA driver, cuBLAS or NCCL call failed.
     #[error("CUDA: {0}")]
     Cuda(String),

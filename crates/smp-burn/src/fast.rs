@@ -538,10 +538,10 @@ pub(crate) fn adamw_step<B: Backend>(
     state: AdamWState<B>,
     grad: &Tensor<B, 1>,
     grad_scale: &Tensor<B, 1>,
-    opt: &crate::fsdp::AdamW,
+    opt: &crate::optim::AdamW,
     lr: f64,
     step: u64,
-    decay_runs: &[(std::ops::Range<usize>, bool)],
+    runs: &[(std::ops::Range<usize>, crate::optim::RunRates)],
     copy_dtype: Option<DType>,
 ) -> Result<AdamWUpdate<B>, AdamWState<B>> {
     if !fast_paths().adamw
@@ -567,7 +567,6 @@ pub(crate) fn adamw_step<B: Backend>(
         eps: opt.eps as f32,
         inv_bias1: inv_bias1 as f32,
         inv_bias2: inv_bias2 as f32,
-        weight_decay: opt.weight_decay as f32,
     };
     let (m, a, v, copy) = crate::cuda::adamw::adamw_step(
         master,
@@ -576,7 +575,7 @@ pub(crate) fn adamw_step<B: Backend>(
         to_cube(grad.clone()),
         to_cube(grad_scale.clone()),
         hp,
-        decay_runs,
+        runs,
         copy_dtype,
     );
     Ok(([m, a, v].map(from_cube), copy.map(from_cube)))

@@ -45,6 +45,7 @@
 //! assert_eq!(losses[0], losses[1]);
 //! ```
 
+use std::collections::HashSet;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,6 +60,8 @@ use collectives::ReduceOp;
 use crate::comm::{PendingCollective, PendingGather, TensorComm};
 use crate::config::ParallelConfig;
 use crate::error::SmpError;
+pub use crate::optim::AdamW;
+use crate::optim::{Group, Optimizer, RunRates, RunState, ShardOptimizer};
 
 /// Communication and precision settings shared by every unit of a model on one rank.
 #[derive(Debug, Clone)]
@@ -165,12 +168,17 @@ impl<IB: Backend> FsdpContext<IB> {
 pub struct FlatParam {
     /// Path inside the unit, e.g. `self_attn.q_proj.weight`.
     pub name: String,
-    /// The parameter's shape.
+    /// The parameter's shape (this rank's slice under tensor parallelism).
     pub shape: Vec<usize>,
     /// First element in the flat buffer.
     pub offset: usize,
     /// Elements.
     pub numel: usize,
+    /// Burn's id of the parameter (shared by the uses of a tied parameter).
+    pub id: ParamId,
+    /// The type of the module that holds it directly, as Burn's visitor names it
+    /// (`Struct:ColumnParallelLinear`): what tensor parallelism reads its placement from.
+    pub container: String,
 }
 
 /// How a unit's parameters are laid out in its flat buffer.
@@ -188,34 +196,57 @@ impl FlatLayout {
     /// The layout of `module`'s float parameters for a shard group of `shard_degree` ranks.
     /// Reads only shapes: lazy parameters stay unallocated.
     pub fn of<B: Backend, M: Module<B>>(module: &M, shard_degree: usize) -> Self {
-        struct Collect {
+        Self::of_excluding(module, shard_degree, &HashSet::new())
+    }
+
+    /// [`Self::of`] without the parameters in `exclude` (tied parameters that live in a unit
+    /// of their own).
+    pub fn of_excluding<B: Backend, M: Module<B>>(
+        module: &M,
+        shard_degree: usize,
+        exclude: &HashSet<ParamId>,
+    ) -> Self {
+        struct Collect<'a> {
             path: Vec<String>,
+            containers: Vec<String>,
             params: Vec<FlatParam>,
             offset: usize,
+            exclude: &'a HashSet<ParamId>,
         }
-        impl<B: Backend> ModuleVisitor<B> for Collect {
-            fn enter_module(&mut self, name: &str, _: &str) {
+        impl<B: Backend> ModuleVisitor<B> for Collect<'_> {
+            fn enter_module(&mut self, name: &str, container: &str) {
                 self.path.push(name.to_string());
+                self.containers.push(container.to_string());
             }
             fn exit_module(&mut self, _: &str, _: &str) {
                 self.path.pop();
+                self.containers.pop();
             }
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                if self.exclude.contains(&param.id) {
+                    return;
+                }
                 let shape = param.lazy_shape().to_vec();
                 let numel = shape.iter().product();
+                // Burn enters a field with the type of the struct that has it.
+                let container = self.containers.last().cloned().unwrap_or_default();
                 self.params.push(FlatParam {
                     name: self.path.join("."),
                     shape,
                     offset: self.offset,
                     numel,
+                    id: param.id,
+                    container,
                 });
                 self.offset += numel;
             }
         }
         let mut c = Collect {
             path: vec![],
+            containers: vec![],
             params: vec![],
             offset: 0,
+            exclude,
         };
         module.visit(&mut c);
         let numel = c.offset;
@@ -236,6 +267,36 @@ impl FlatLayout {
     pub fn shard_range(&self, rank: usize, shard_degree: usize) -> Range<usize> {
         let len = self.shard_len(shard_degree);
         rank * len..(rank + 1) * len
+    }
+}
+
+/// Parameters a unit takes from elsewhere at assembly (tied parameters), by id: tensors of the
+/// autodiff backend, of any rank.
+#[derive(Default)]
+pub struct ExternalParams {
+    values: std::collections::HashMap<ParamId, Box<dyn std::any::Any>>,
+}
+
+impl std::fmt::Debug for ExternalParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalParams")
+            .field("count", &self.values.len())
+            .finish()
+    }
+}
+
+impl ExternalParams {
+    /// Supplies `value` for the parameter `id`.
+    pub fn insert<B: Backend, const D: usize>(&mut self, id: ParamId, value: Tensor<B, D>) {
+        self.values.insert(id, Box::new(value));
+    }
+
+    /// The value supplied for `id`, if it is a `Tensor<B, D>`.
+    pub fn get<B: Backend, const D: usize>(&self, id: ParamId) -> Option<Tensor<B, D>> {
+        self.values
+            .get(&id)?
+            .downcast_ref::<Tensor<B, D>>()
+            .cloned()
     }
 }
 
@@ -268,8 +329,15 @@ pub struct ShardedUnit<B: AutodiffBackend, M: Module<B>> {
     /// The reduce-scatter of the last gradients, started but not yet added to `grad` (prefetch
     /// only). It keeps the unit's full-size gradient alive until [`Self::finish_grads`].
     pending_grad: Option<PendingCollective<B::InnerBackend>>,
-    exp_avg: Tensor<B::InnerBackend, 1>,
-    exp_avg_sq: Tensor<B::InnerBackend, 1>,
+    /// AdamW's first and second moments of this rank's chunk; `None` under another optimizer.
+    moments: Option<[Tensor<B::InnerBackend, 1>; 2]>,
+    /// Another optimizer's state, one entry per run of [`Self::group_runs`].
+    run_states: Vec<Option<RunState>>,
+    /// Each parameter's optimizer group, in layout order.
+    groups: Vec<Group>,
+    /// Parameters of the template that live in another unit (tied parameters): left out of the
+    /// flat buffer, supplied at assembly, their gradients left to that unit.
+    external: HashSet<ParamId>,
 }
 
 impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
@@ -283,12 +351,37 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         device: &B::Device,
         init: impl Fn(&FlatParam, Range<usize>) -> Vec<f32>,
     ) -> Result<Self, SmpError> {
+        Self::new_excluding(name, template, ctx, device, HashSet::new(), init)
+    }
+
+    /// [`Self::new`] leaving out the parameters in `external`, which another unit holds (tied
+    /// parameters): [`Self::assemble_with`] supplies them.
+    pub fn new_excluding(
+        name: impl Into<String>,
+        template: M,
+        ctx: &FsdpContext<B::InnerBackend>,
+        device: &B::Device,
+        external: HashSet<ParamId>,
+        init: impl Fn(&FlatParam, Range<usize>) -> Vec<f32>,
+    ) -> Result<Self, SmpError> {
         let degree = ctx.shard.world_size();
         let rank = ctx.shard.rank();
-        let layout = FlatLayout::of::<B, M>(&template, degree);
+        let layout = FlatLayout::of_excluding::<B, M>(&template, degree, &external);
         let range = layout.shard_range(rank, degree);
         let master = upload_shard::<B::InnerBackend>(&layout, range, &init, device)?;
         let zeros = master.zeros_like();
+        let default_decay = AdamW::default().weight_decay;
+        let groups = layout
+            .params
+            .iter()
+            .map(|p| {
+                if p.shape.len() >= 2 {
+                    Group::decay(default_decay)
+                } else {
+                    Group::no_decay()
+                }
+            })
+            .collect();
         Ok(Self {
             name: name.into(),
             template,
@@ -302,9 +395,45 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             grad_sq_partials: None,
             deferred_full_grad: None,
             pending_grad: None,
-            exp_avg: zeros.clone(),
-            exp_avg_sq: zeros,
+            moments: Some([zeros.clone(), zeros]),
+            run_states: Vec::new(),
+            groups,
+            external,
         })
+    }
+
+    /// Sets each parameter's optimizer group (in layout order).
+    ///
+    /// # Errors
+    /// When the count differs from the layout's parameters.
+    pub fn set_groups(&mut self, groups: Vec<Group>) -> Result<(), SmpError> {
+        if groups.len() != self.layout.params.len() {
+            return Err(SmpError::Usage(format!(
+                "unit {}: {} parameter groups for {} parameters",
+                self.name,
+                groups.len(),
+                self.layout.params.len()
+            )));
+        }
+        self.groups = groups;
+        Ok(())
+    }
+
+    /// Each parameter's optimizer group, in layout order.
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    /// Frees AdamW's moments: another optimizer steps this unit (its state is made on the first
+    /// step).
+    pub fn use_custom_optimizer(&mut self) {
+        self.moments = None;
+        self.run_states.clear();
+    }
+
+    /// The template the unit was built from (lazy parameters; shapes only).
+    pub fn template(&self) -> &M {
+        &self.template
     }
 
     /// The flat layout of this unit.
@@ -321,6 +450,17 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     ) -> Result<M, SmpError> {
         let full = self.start_gather(ctx)?.wait()?;
         Ok(self.assemble(full, track_grad))
+    }
+
+    /// [`Self::gather`] with the parameters this unit leaves to another taken from `external`.
+    pub fn gather_with(
+        &self,
+        ctx: &FsdpContext<B::InnerBackend>,
+        track_grad: bool,
+        external: &ExternalParams,
+    ) -> Result<M, SmpError> {
+        let full = self.start_gather(ctx)?.wait()?;
+        Ok(self.assemble_with(full, track_grad, external))
     }
 
     /// Starts gathering the full flat parameters in the compute dtype (see
@@ -344,17 +484,40 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     /// The module with the parameters of `full` (from [`Self::start_gather`]); with
     /// `track_grad` every parameter is an autodiff leaf.
     pub fn assemble(&self, full: Tensor<B::InnerBackend, 1>, track_grad: bool) -> M {
+        self.assemble_with(full, track_grad, &ExternalParams::default())
+    }
+
+    /// [`Self::assemble`] with the parameters this unit leaves to another (tied parameters)
+    /// taken from `external`.
+    ///
+    /// # Panics
+    /// When `external` lacks one of them (the engine supplies every one).
+    pub fn assemble_with(
+        &self,
+        full: Tensor<B::InnerBackend, 1>,
+        track_grad: bool,
+        external: &ExternalParams,
+    ) -> M {
         struct Unflatten<'a, IB: Backend> {
             full: Tensor<IB, 1>,
             layout: &'a FlatLayout,
             next: usize,
             track_grad: bool,
+            leave: &'a HashSet<ParamId>,
+            external: &'a ExternalParams,
         }
         impl<B: AutodiffBackend> ModuleMapper<B> for Unflatten<'_, B::InnerBackend> {
             fn map_float<const D: usize>(
                 &mut self,
                 param: Param<Tensor<B, D>>,
             ) -> Param<Tensor<B, D>> {
+                if self.leave.contains(&param.id) {
+                    let t = self
+                        .external
+                        .get::<B, D>(param.id)
+                        .expect("the engine supplies every tied parameter");
+                    return Param::initialized(param.id, t);
+                }
                 let spec = &self.layout.params[self.next];
                 self.next += 1;
                 let dims: [usize; D] = spec
@@ -380,6 +543,8 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             layout: &self.layout,
             next: 0,
             track_grad,
+            leave: &self.external,
+            external,
         };
         self.template.clone().map(&mut mapper)
     }
@@ -411,9 +576,13 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             pieces: Vec<Tensor<B::InnerBackend, 1>>,
             layout: &'a FlatLayout,
             device: Option<B::Device>,
+            leave: &'a HashSet<ParamId>,
         }
         impl<B: AutodiffBackend> ModuleVisitor<B> for Grads<'_, B> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                if self.leave.contains(&param.id) {
+                    return;
+                }
                 let value = param.val();
                 let spec = &self.layout.params[self.pieces.len()];
                 let device = value.device();
@@ -432,6 +601,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             pieces: Vec::new(),
             layout: &self.layout,
             device: None,
+            leave: &self.external,
         };
         module.visit(&mut collect);
         let device = collect
@@ -611,84 +781,159 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         crate::fast::weighted_sum(partials, &runs)
     }
 
-    /// One AdamW step on this rank's shard, scaling the gradient by `grad_scale` (the clipping
-    /// factor), then clears the gradient.
-    pub fn adamw_step(
+    /// One optimizer step on this rank's shard, scaling the gradient by `grad_scale` (the
+    /// clipping factor), then clears the gradient. `step` counts from 1; `lr` is scaled by each
+    /// parameter group's `lr_scale`.
+    ///
+    /// # Errors
+    /// A custom optimizer's failure, or AdamW asked of a unit whose moments were freed.
+    pub fn optimizer_step(
+        &mut self,
+        optimizer: &Optimizer<B::InnerBackend>,
+        lr: f64,
+        step: u64,
+        grad_scale: Tensor<B::InnerBackend, 1>,
+    ) -> Result<(), SmpError> {
+        match optimizer {
+            Optimizer::AdamW(opt) => self.adamw_step(opt, lr, step, grad_scale),
+            Optimizer::Custom(opt) => self.custom_step(opt.as_ref(), lr, grad_scale),
+        }
+    }
+
+    /// One AdamW step on this rank's shard (see [`Self::optimizer_step`]).
+    fn adamw_step(
         &mut self,
         opt: &AdamW,
         lr: f64,
         step: u64,
         grad_scale: Tensor<B::InnerBackend, 1>,
-    ) {
+    ) -> Result<(), SmpError> {
         self.assert_grads_finished("adamw_step");
         self.grad_sq_partials = None;
-        let Some(grad) = self.grad.take() else { return };
+        let Some(grad) = self.grad.take() else {
+            return Ok(());
+        };
+        let Some([exp_avg, exp_avg_sq]) = self.moments.take() else {
+            return Err(SmpError::Usage(format!(
+                "unit {}: AdamW step on a unit whose AdamW state was freed for another optimizer",
+                self.name
+            )));
+        };
         // Moved out rather than cloned: the fused kernel updates buffers in place only when it
         // holds their only handle.
         let hole = || Tensor::empty([0], &grad.device());
         let state = [
             std::mem::replace(&mut self.master, hole()),
-            std::mem::replace(&mut self.exp_avg, hole()),
-            std::mem::replace(&mut self.exp_avg_sq, hole()),
+            exp_avg,
+            exp_avg_sq,
         ];
-        let decay_runs = self.decay_runs();
+        let runs: Vec<(Range<usize>, RunRates)> = self
+            .group_runs()
+            .into_iter()
+            .map(|(r, g)| (r, RunRates::of(g)))
+            .collect();
         self.compute = None;
         let copy_dtype =
             (self.param_dtype != FloatDType::F32).then(|| DType::from(self.param_dtype));
-        match crate::fast::adamw_step(
+        let state = match crate::fast::adamw_step(
             state,
             &grad,
             &grad_scale,
             opt,
             lr,
             step,
-            &decay_runs,
+            &runs,
             copy_dtype,
         ) {
-            Ok((updated, copy)) => {
-                [self.master, self.exp_avg, self.exp_avg_sq] = updated;
+            Ok(([m, a, v], copy)) => {
+                self.master = m;
+                self.moments = Some([a, v]);
                 self.compute = copy;
-                return;
+                return Ok(());
             }
-            Err(state) => [self.master, self.exp_avg, self.exp_avg_sq] = state,
-        }
+            Err(state) => state,
+        };
+        let [master, exp_avg, exp_avg_sq] = state;
         let g = grad.cast(FloatDType::F32) * grad_scale;
         let (b1, b2) = (opt.beta1, opt.beta2);
-        self.exp_avg = self.exp_avg.clone() * b1 + g.clone() * (1.0 - b1);
-        self.exp_avg_sq = self.exp_avg_sq.clone() * b2 + g.square() * (1.0 - b2);
+        let exp_avg = exp_avg * b1 + g.clone() * (1.0 - b1);
+        let exp_avg_sq = exp_avg_sq * b2 + g.square() * (1.0 - b2);
         let bias1 = 1.0 - b1.powi(step as i32);
         let bias2 = 1.0 - b2.powi(step as i32);
-        let denom = (self.exp_avg_sq.clone() / bias2).sqrt() + opt.eps;
-        let update = self.exp_avg.clone() / bias1 / denom;
-        let decayed =
-            self.master.clone() - self.master.clone() * self.decay_mask() * (lr * opt.weight_decay);
-        self.master = decayed - update * lr;
+        let denom = (exp_avg_sq.clone() / bias2).sqrt() + opt.eps;
+        let update = exp_avg.clone() / bias1 / denom;
+        // Per-element learning rate and decay from the groups, one fill per run.
+        let device = master.device();
+        let fill = |value: &dyn Fn(&RunRates) -> f32| {
+            let mut parts: Vec<Tensor<B::InnerBackend, 1>> = runs
+                .iter()
+                .map(|(r, rates)| Tensor::full([r.len()], value(rates), &device))
+                .collect();
+            match parts.len() {
+                0 => Tensor::zeros([0], &device),
+                1 => parts.pop().expect("one run"),
+                _ => Tensor::cat(parts, 0),
+            }
+        };
+        let lr_each = fill(&|r| r.lr_scale) * lr;
+        let decay_each = fill(&|r| r.weight_decay);
+        let decayed = master.clone() - master * decay_each * lr_each.clone();
+        self.master = decayed - update * lr_each;
+        self.moments = Some([exp_avg, exp_avg_sq]);
+        Ok(())
     }
 
-    /// This rank's chunk as runs of elements that share a weight-decay flag.
-    fn decay_runs(&self) -> Vec<(Range<usize>, bool)> {
-        decay_runs(
-            &self.layout,
-            self.layout.shard_range(self.rank, self.degree),
-        )
-    }
-
-    /// 1 where weight decay applies (matrices), 0 elsewhere (norm weights, padding), for this
-    /// rank's chunk. Rebuilt on the device at each step from the layout (one fill per run of
-    /// equal flags) rather than kept: a stored f32 mask cost 4 bytes per parameter, a quarter
-    /// of the state.
-    fn decay_mask(&self) -> Tensor<B::InnerBackend, 1> {
-        let device = self.master.device();
-        let mut fills: Vec<Tensor<B::InnerBackend, 1>> = self
-            .decay_runs()
-            .into_iter()
-            .map(|(r, decays)| Tensor::full([r.len()], if decays { 1.0 } else { 0.0 }, &device))
-            .collect();
-        match fills.len() {
-            0 => Tensor::zeros([0], &device),
-            1 => fills.pop().expect("one run"),
-            _ => Tensor::cat(fills, 0),
+    /// One step of a custom optimizer, run by run of equal groups (see [`ShardOptimizer`]).
+    fn custom_step(
+        &mut self,
+        opt: &dyn ShardOptimizer<B::InnerBackend>,
+        lr: f64,
+        grad_scale: Tensor<B::InnerBackend, 1>,
+    ) -> Result<(), SmpError> {
+        self.assert_grads_finished("optimizer step");
+        self.grad_sq_partials = None;
+        let Some(grad) = self.grad.take() else {
+            return Ok(());
+        };
+        self.compute = None;
+        let grad = grad.cast(FloatDType::F32) * grad_scale;
+        let runs = self.group_runs();
+        self.run_states.resize_with(runs.len(), || None);
+        let mut parts = Vec::with_capacity(runs.len());
+        for (i, (r, group)) in runs.into_iter().enumerate() {
+            let param = self.master.clone().narrow(0, r.start, r.len());
+            let g = grad.clone().narrow(0, r.start, r.len());
+            let state = self.run_states[i].take();
+            let (param, state) = opt.step(lr * group.lr_scale, &group, param, g, state)?;
+            self.run_states[i] = state;
+            parts.push(param);
         }
+        self.master = match parts.len() {
+            0 => self.master.clone(),
+            1 => parts.pop().expect("one run"),
+            _ => Tensor::cat(parts, 0),
+        };
+        Ok(())
+    }
+
+    /// This rank's chunk as runs of elements that share an optimizer group, relative to the
+    /// chunk's start; the padding gets no weight decay.
+    fn group_runs(&self) -> Vec<(Range<usize>, Group)> {
+        let range = self.layout.shard_range(self.rank, self.degree);
+        let index: std::collections::HashMap<usize, usize> = self
+            .layout
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.offset, i))
+            .collect();
+        let groups = &self.groups;
+        param_runs(
+            &self.layout,
+            range,
+            &|p| groups[index[&p.offset]],
+            Group::no_decay(),
+        )
     }
 
     /// Bytes this rank holds for the unit: master weights, gradient, deferred gradient and the
@@ -706,7 +951,8 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         } else {
             0
         };
-        4 * (3 * shard + deferred) + grad + compute
+        let moments = if self.moments.is_some() { 2 * shard } else { 0 };
+        4 * (shard + moments + deferred) + grad + compute
     }
 
     /// Overwrites this rank's chunk of `kind` with values from `init` (as in [`Self::new`]):
@@ -723,20 +969,44 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                 self.master = t;
                 self.compute = None;
             }
-            StateKind::ExpAvg => self.exp_avg = t,
-            StateKind::ExpAvgSq => self.exp_avg_sq = t,
+            StateKind::ExpAvg | StateKind::ExpAvgSq => {
+                let index = usize::from(kind == StateKind::ExpAvgSq);
+                self.moments_mut()?[index] = t;
+            }
         }
         Ok(())
     }
 
+    /// AdamW's moments, or an error naming the unit when another optimizer steps it.
+    fn moments_mut(&mut self) -> Result<&mut [Tensor<B::InnerBackend, 1>; 2], SmpError> {
+        let name = &self.name;
+        self.moments.as_mut().ok_or_else(|| {
+            SmpError::Usage(format!(
+                "unit {name}: the optimizer state is not AdamW's; saving and loading it is \
+                 supported for the default AdamW only"
+            ))
+        })
+    }
+
+    /// AdamW's moments, or an error naming the unit when another optimizer steps it.
+    fn moments(&self) -> Result<&[Tensor<B::InnerBackend, 1>; 2], SmpError> {
+        self.moments.as_ref().ok_or_else(|| {
+            SmpError::Usage(format!(
+                "unit {}: the optimizer state is not AdamW's; saving and loading it is \
+                 supported for the default AdamW only",
+                self.name
+            ))
+        })
+    }
+
     /// This rank's chunk of the fp32 master weights, AdamW's first and second moments.
-    pub fn shard_state(&self) -> [Tensor<B::InnerBackend, 1>; 3] {
+    ///
+    /// # Errors
+    /// Under another optimizer than AdamW.
+    pub fn shard_state(&self) -> Result<[Tensor<B::InnerBackend, 1>; 3], SmpError> {
         self.assert_grads_finished("shard_state");
-        [
-            self.master.clone(),
-            self.exp_avg.clone(),
-            self.exp_avg_sq.clone(),
-        ]
+        let [a, s] = self.moments()?;
+        Ok([self.master.clone(), a.clone(), s.clone()])
     }
 
     /// Replaces this rank's shard state (from a checkpoint); lengths must match.
@@ -755,10 +1025,9 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             }
         }
         let [m, a, s] = state;
+        *self.moments_mut()? = [a.cast(FloatDType::F32), s.cast(FloatDType::F32)];
         self.master = m.cast(FloatDType::F32);
         self.compute = None;
-        self.exp_avg = a.cast(FloatDType::F32);
-        self.exp_avg_sq = s.cast(FloatDType::F32);
         Ok(())
     }
 
@@ -772,8 +1041,8 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         self.assert_grads_finished("gather_full_f32");
         let shard = match which {
             StateKind::Weights => self.master.clone(),
-            StateKind::ExpAvg => self.exp_avg.clone(),
-            StateKind::ExpAvgSq => self.exp_avg_sq.clone(),
+            StateKind::ExpAvg => self.moments()?[0].clone(),
+            StateKind::ExpAvgSq => self.moments()?[1].clone(),
         };
         let full = if self.degree == 1 {
             shard
@@ -815,13 +1084,6 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
 /// parameter that fall inside it; padding is zero.
 /// Produces the device values of elements `range` of one parameter.
 type ShardPiece<'a, IB> = dyn Fn(&FlatParam, Range<usize>) -> Result<Tensor<IB, 1>, SmpError> + 'a;
-
-/// Elements `range` of a unit's flat buffer as runs that share a weight-decay flag (matrices
-/// decay; norm weights and padding do not), in coordinates relative to `range.start`. The
-/// reference AdamW builds its mask from them and the fused kernel launches once per run.
-fn decay_runs(layout: &FlatLayout, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
-    param_runs(layout, range, &|p| p.shape.len() >= 2, false)
-}
 
 /// `range` of the flat buffer as maximal runs of elements whose parameters share `key(param)`,
 /// relative to `range.start`; the padding past the last parameter gets `padding`.
@@ -922,30 +1184,6 @@ pub enum StateKind {
     ExpAvgSq,
 }
 
-/// AdamW hyper-parameters (PyTorch's semantics: decoupled weight decay `p -= lr * wd * p`).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct AdamW {
-    /// First-moment decay.
-    pub beta1: f64,
-    /// Second-moment decay.
-    pub beta2: f64,
-    /// Added to the denominator.
-    pub eps: f64,
-    /// Decoupled weight decay, applied to matrices only.
-    pub weight_decay: f64,
-}
-
-impl Default for AdamW {
-    fn default() -> Self {
-        Self {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        }
-    }
-}
-
 /// The clipping factor (`max_norm / (norm + 1e-6)` where the norm exceeds `max_norm`, else 1)
 /// and the global gradient norm, from the per-unit sums of squares; `norm` is summed over the
 /// shard group so it is the norm of the whole model's gradient. Both stay on the device (one
@@ -1021,6 +1259,8 @@ mod tests {
                     shape: s.to_vec(),
                     offset,
                     numel,
+                    id: ParamId::new(),
+                    container: String::new(),
                 };
                 offset += numel;
                 p
@@ -1096,6 +1336,10 @@ mod tests {
             })
         };
         assert_eq!(grads_with(true), grads_with(false));
+    }
+
+    fn decay_runs(layout: &FlatLayout, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
+        param_runs(layout, range, &|p| p.shape.len() >= 2, false)
     }
 
     #[test]

@@ -22,6 +22,7 @@
 // `div_ceil` is not available inside `#[cube]` functions.
 #![allow(clippy::manual_div_ceil)]
 
+use crate::optim::RunRates;
 use std::ops::Range;
 
 use burn::tensor::DType;
@@ -48,7 +49,7 @@ const MAX_CHUNK: usize = 1 << 28;
 /// AdamW's hyper-parameters for one step, with the bias corrections already folded in.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamWStep {
-    /// Learning rate.
+    /// Learning rate (each run scales it by its group's `lr_scale`).
     pub lr: f32,
     /// First-moment decay.
     pub beta1: f32,
@@ -60,12 +61,10 @@ pub struct AdamWStep {
     pub inv_bias1: f32,
     /// `1 / (1 - beta2^step)`.
     pub inv_bias2: f32,
-    /// Decoupled weight decay.
-    pub weight_decay: f32,
 }
 
 /// One thread per vector of `N` elements: the reference update of
-/// `fsdp::ShardedUnit::adamw_step`, fused. With `write_copy` it also writes the updated weights
+/// `fsdp::ShardedUnit::optimizer_step` under AdamW, fused. With `write_copy` it also writes the updated weights
 /// in the compute dtype to `copy`, the next forward's all-gather input: a separate cast would
 /// read the four-byte weights again (about 1.4 ms of a 1.2B model's step).
 #[cube(launch_unchecked)]
@@ -288,8 +287,8 @@ fn writable(t: Cube) -> Cube {
 /// Runs AdamW over a shard in place and returns `(master, exp_avg, exp_avg_sq)` and, when
 /// `copy_dtype` is given, the updated weights in that dtype (a fresh buffer).
 ///
-/// `decay_runs` lists `(element range, decays)` covering the shard; elements in a run with
-/// `decays = false` (norm weights, padding) get no weight decay. `grad_scale` is a one-element
+/// `runs` lists `(element range, rates)` covering the shard: each run of elements that share a
+/// parameter group gets its learning-rate scale and weight decay. `grad_scale` is a one-element
 /// f32 tensor (the clipping factor, computed on the device: no host sync). The state is f32;
 /// `grad` may be f32, bf16 or f16 (read and widened to f32).
 #[allow(clippy::too_many_arguments)]
@@ -300,7 +299,7 @@ pub fn adamw_step(
     grad: Cube,
     grad_scale: Cube,
     hp: AdamWStep,
-    decay_runs: &[(Range<usize>, bool)],
+    runs: &[(Range<usize>, RunRates)],
     copy_dtype: Option<DType>,
 ) -> (Cube, Cube, Cube, Option<Cube>) {
     let len = master.meta.shape()[0];
@@ -351,12 +350,9 @@ pub fn adamw_step(
     // so one small buffer serves every launch.
     let unused = copy.is_none().then(|| alloc(8, DType::F32));
     let copy_dt = copy_dtype.unwrap_or(DType::F32);
-    for (run, decays) in decay_runs {
-        let decay = if *decays {
-            hp.lr * hp.weight_decay
-        } else {
-            0.0
-        };
+    for (run, rates) in runs {
+        let lr = hp.lr * rates.lr_scale;
+        let decay = lr * rates.weight_decay;
         let mut start = run.start;
         while start < run.end {
             let end = (start + MAX_CHUNK).min(run.end);
@@ -388,7 +384,7 @@ pub fn adamw_step(
                     view(&grad, start..end).into_tensor_arg(),
                     copy_arg.into_tensor_arg(),
                     grad_scale.clone().into_tensor_arg(),
-                    hp.lr,
+                    lr,
                     hp.beta1,
                     hp.beta2,
                     1.0 - hp.beta1,
