@@ -17,8 +17,9 @@ use std::sync::Arc;
 use burn::backend::{Autodiff, NdArray};
 use clap::Parser;
 use collectives::{CommOptions, Communicator, RendezvousConfig, run_on_threads};
-use llama::train::{self, H100_PEAK_FLOPS, Prepared, RankGroups, Summary, TrainConfig};
-use smp_burn::{HostTensorComm, ParallelDims, Precision, TensorComm};
+use llama::train::{self, H100_PEAK_FLOPS, Prepared, Summary, TrainConfig};
+use smp_burn::mesh::Mesh;
+use smp_burn::{ParallelDims, Precision};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -287,10 +288,10 @@ type DynError = Box<dyn std::error::Error + Send + Sync>;
 
 fn run_cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary, DynError> {
     type B = Autodiff<NdArray<f32>>;
-    let groups = RankGroups::over_host(world, &prepared.config.parallel)?;
+    let mesh = Mesh::over_host(world, &prepared.config.parallel)?;
     Ok(train::train_rank::<B>(
         prepared,
-        groups,
+        mesh,
         &Default::default(),
         None,
         &peak_rss,
@@ -306,14 +307,7 @@ fn run_cuda_rank(
     type Inner = smp_burn::cuda::CudaCube;
     type B = Autodiff<Inner>;
     let device = burn::backend::cuda::CudaDevice::new(gpu);
-    let groups = RankGroups::new(world, &prepared.config.parallel, |host| {
-        // A group of one needs no NCCL communicator.
-        Ok(if host.world_size() == 1 {
-            Arc::new(HostTensorComm::new(host)) as Arc<dyn TensorComm<Inner>>
-        } else {
-            Arc::new(smp_burn::cuda::CudaTensorComm::new(host.as_ref(), gpu)?)
-        })
-    })?;
+    let mesh = smp_burn::cuda::nccl_mesh::<Inner>(world, &prepared.config.parallel, gpu)?;
     // Device-wide memory in use (the driver's view, so it includes CubeCL's pools and caches);
     // Burn 0.21 exposes no peak-allocation counter.
     let ctx =
@@ -325,7 +319,7 @@ fn run_cuda_rank(
     };
     Ok(train::train_rank::<B>(
         prepared,
-        groups,
+        mesh,
         &device,
         Some(H100_PEAK_FLOPS),
         &memory,

@@ -5,12 +5,13 @@ use std::sync::Arc;
 use burn::backend::Autodiff;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_ndarray::NdArray;
-use collectives::{Communicator, DeviceMesh};
+use collectives::Communicator;
 use llama::LlamaConfig;
-use llama::parallel::{ShardedLlama, seeded_init};
-use smp_burn::fsdp::{AdamW, FsdpContext, StateKind};
-use smp_burn::tp::TpContext;
-use smp_burn::{HostTensorComm, ParallelConfig, ParallelDims, TensorComm};
+use llama::parallel::{Build, build, seeded_init};
+use smp_burn::ParallelConfig;
+use smp_burn::engine::StateKind;
+use smp_burn::fsdp::AdamW;
+use smp_burn::mesh::Mesh;
 
 /// The CPU backend the tests train on.
 pub type Cpu = Autodiff<NdArray<f32>>;
@@ -56,43 +57,20 @@ pub fn train_rank(
     micro_batches: usize,
 ) -> RunResult {
     let device = Default::default();
-    let world = comm.world_size();
-    let dims = ParallelDims::new(parallel, world).expect("valid dims");
-    let mesh = DeviceMesh::new(comm.clone(), &dims.mesh_axes()).expect("mesh");
-    let shard: Arc<dyn TensorComm<NdArray<f32>>> =
-        Arc::new(HostTensorComm::new(mesh.axis("shard").expect("shard axis")));
-    let replicate: Arc<dyn TensorComm<NdArray<f32>>> = Arc::new(HostTensorComm::new(
-        mesh.axis("replicate").expect("replicate axis"),
-    ));
-    let ctx = FsdpContext::new(shard, Some(replicate), parallel);
-    // Tensor parallelism over the mesh's innermost axis (ranks with the same data).
-    let tp = (dims.tensor > 1).then(|| {
-        TpContext::new(Arc::new(HostTensorComm::new(
-            mesh.axis("tensor").expect("tensor axis"),
-        )))
-    });
-    let init = seeded_init(42);
-    let mut model = ShardedLlama::<Cpu>::with_tensor_parallel(
-        config,
-        ctx,
-        tp,
-        &device,
-        parallel.checkpointing(),
-        &init,
-    )
-    .expect("model");
-    model
-        .set_activation_offloading(parallel.offloading_horizon())
-        .expect("offloading horizon");
-    let dp_rank = comm.rank() / dims.tensor;
-    let dp = world / dims.tensor;
-    let local = global_batch / dp;
+    let mesh = Mesh::<NdArray<f32>>::over_host(comm, parallel).expect("mesh");
     // A large epsilon keeps Adam's update proportional to the gradient for tiny gradients, where
     // `g / sqrt(v)` would otherwise turn rounding noise into a full +-lr step of either sign.
-    let opt = AdamW {
-        eps: 1e-3,
-        ..AdamW::default()
+    let how = Build {
+        init: seeded_init(42),
+        adamw: AdamW {
+            eps: 1e-3,
+            ..AdamW::default()
+        },
+        max_grad_norm: Some(1.0),
     };
+    let mut model = build::<Cpu>(config, &mesh, &device, how).expect("model");
+    let (dp_rank, dp) = (mesh.dp_rank(), mesh.dp_size());
+    let local = global_batch / dp;
     let mut result = RunResult {
         losses: vec![],
         grad_norms: vec![],
@@ -101,7 +79,6 @@ pub fn train_rank(
         offloaded_bytes: 0,
     };
     for step in 0..steps {
-        let mut loss_sum = 0.0;
         for mb in 0..micro_batches {
             let all = synthetic_batch(
                 step * micro_batches + mb,
@@ -120,19 +97,12 @@ pub fn train_rank(
             let targets =
                 Tensor::<Cpu, 2, Int>::from_data(TensorData::new(targets, [local, seq]), &device);
             let last = mb + 1 == micro_batches;
-            let loss = model
-                .forward_backward(tokens, targets, 1.0 / micro_batches as f32, !last)
+            model
+                .forward_backward(tokens, targets, 1.0 / micro_batches as f32, last)
                 .expect("step");
-            let loss = model
-                .context()
-                .mean_over_data_parallel(loss)
-                .expect("loss mean");
-            loss_sum += loss.into_scalar() as f64 / micro_batches as f64;
         }
-        let stats = model
-            .optimizer_step(&opt, 1e-2, step as u64 + 1, Some(1.0))
-            .expect("optimizer");
-        result.losses.push(loss_sum);
+        let stats = model.step(1e-2).expect("optimizer");
+        result.losses.push(stats.loss.clone().into_scalar() as f64);
         result.grad_norms.push(stats.grad_norm_now());
     }
     result.state_bytes = model.state_bytes();
@@ -199,7 +169,8 @@ pub mod trainer {
     use collectives::{CommOptions, Communicator, run_on_threads};
     use llama::data::{DataSource, load_texts};
     use llama::tokenizer::TextTokenizer;
-    use llama::train::{self, Prepared, RankGroups, Summary, TrainConfig};
+    use llama::train::{self, Prepared, Summary, TrainConfig};
+    use smp_burn::mesh::Mesh;
 
     use super::Cpu;
 
@@ -267,9 +238,8 @@ pub mod trainer {
 
     /// One CPU rank, set up as `llama2_train` sets up its thread-ranks.
     fn cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Summary, String> {
-        let groups =
-            RankGroups::over_host(world, &prepared.config.parallel).map_err(|e| e.to_string())?;
-        train::train_rank::<Cpu>(prepared, groups, &Default::default(), None, &|| None)
+        let mesh = Mesh::over_host(world, &prepared.config.parallel).map_err(|e| e.to_string())?;
+        train::train_rank::<Cpu>(prepared, mesh, &Default::default(), None, &|| None)
             .map_err(|e| e.to_string())
     }
 

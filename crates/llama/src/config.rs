@@ -124,14 +124,16 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// Checks that a tensor-parallel degree `tp` splits this shape: query heads, key/value heads
-    /// and the MLP width must each be divisible by it (each rank holds whole heads and an equal
-    /// slice of the MLP). The error names the field, its value and `tp`.
+    /// Checks that a tensor-parallel degree `tp` splits this shape: query heads, key/value
+    /// heads, the MLP width and the vocabulary must each be divisible by it (each rank holds
+    /// whole heads and equal slices of the MLP, the embedding and the LM head). The error names
+    /// the field, its value and `tp`.
     pub fn validate_tensor_parallel(&self, tp: usize) -> Result<()> {
         for (what, n) in [
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.num_key_value_heads),
             ("intermediate_size", self.intermediate_size),
+            ("vocab_size", self.vocab_size),
         ] {
             smp_burn::tp::split_len(what, n, tp)?;
         }

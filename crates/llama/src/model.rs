@@ -1,37 +1,50 @@
 //! The Llama 2 architecture in Burn, free of any parallelism.
 //!
-//! The model is written as three kinds of *units* — the token embedding, the decoder layers and
-//! the head (final norm + LM head + loss) — because that is the granularity at which the
-//! parallel layer shards, gathers and recomputes. Struct and field names mirror Hugging Face's
-//! `LlamaForCausalLM`, so a parameter's Burn path is its Hugging Face name (see
-//! [`hf_name`]) and weights are stored as `[out_features, in_features]` as PyTorch does.
+//! The model is written as the engine's three kinds of *units* — the token embedding, the
+//! decoder layers and the head (final norm + LM head + loss) — because that is the granularity
+//! at which smp-burn shards, gathers and recomputes, and with smp-burn's tensor-parallel layers,
+//! which are their plain counterparts on one rank. Field names mirror Hugging Face's
+//! `LlamaForCausalLM`, so a parameter's path in its unit gives its Hugging Face name (see
+//! [`hf_name`]), and weights are stored as `[out_features, in_features]` as PyTorch does.
 
 use burn::module::{Initializer, Module, Param};
 use burn::tensor::{Int, Tensor, backend::Backend};
+use smp_burn::engine::{BlockUnit, Cx, HeadUnit, StemUnit, UnitId};
 use smp_burn::init::InitRule;
 use smp_burn::ops;
+use smp_burn::tp::layers::{ParallelLinearConfig, VocabParallelEmbeddingConfig};
+use smp_burn::tp::{
+    ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+};
+use smp_burn::{Loss, SmpError};
 
 use crate::config::LlamaConfig;
-use crate::error::Result;
 
-/// A bias-free linear layer with PyTorch's weight layout.
-#[derive(Module, Debug)]
-pub struct Linear<B: Backend> {
-    /// `[out_features, in_features]`.
-    pub weight: Param<Tensor<B, 2>>,
+/// A bias-free linear layer split over its output features (rows of the `[out, in]` weight).
+fn column<B: Backend>(
+    d_in: usize,
+    d_out: usize,
+    tp: &TpGroup,
+    device: &B::Device,
+) -> Result<ColumnParallelLinear<B>, SmpError> {
+    ParallelLinearConfig::new(d_in, d_out)
+        .with_bias(false)
+        .with_initializer(Initializer::Zeros)
+        .init_column(tp, device)
 }
 
-impl<B: Backend> Linear<B> {
-    fn lazy(out_features: usize, in_features: usize, device: &B::Device) -> Self {
-        Self {
-            weight: Initializer::Zeros.init([out_features, in_features], device),
-        }
-    }
-
-    /// `x @ weight^T`.
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        ops::linear(x, self.weight.val())
-    }
+/// A bias-free linear layer split over its input features (columns of the weight).
+fn row<B: Backend>(
+    d_in: usize,
+    d_out: usize,
+    tp: &TpGroup,
+    device: &B::Device,
+) -> Result<RowParallelLinear<B>, SmpError> {
+    ParallelLinearConfig::new(d_in, d_out)
+        .with_bias(false)
+        .with_initializer(Initializer::Zeros)
+        .init_row(tp, device)
 }
 
 /// Root-mean-square normalization with a learned scale.
@@ -57,60 +70,71 @@ impl<B: Backend> RmsNorm<B> {
     }
 }
 
-/// Token embedding table; the first unit of the model.
+/// The token embedding; the first unit of the model. It also makes the rotary tables every
+/// layer shares.
 #[derive(Module, Debug)]
 pub struct Embedding<B: Backend> {
-    /// `[vocab, hidden]`.
-    pub weight: Param<Tensor<B, 2>>,
+    /// The `[vocab, hidden]` table, split over the vocabulary under tensor parallelism.
+    pub embed_tokens: VocabParallelEmbedding<B>,
+    /// Width of one attention head (for the rotary tables).
+    pub head_dim: usize,
+    /// Base of the rotary frequencies.
+    pub rope_theta: f64,
 }
 
-impl<B: Backend> Embedding<B> {
-    /// A template whose parameters are lazy (nothing is allocated until they are set).
-    pub fn template(config: &LlamaConfig, device: &B::Device) -> Self {
-        Self {
-            weight: Initializer::Zeros.init([config.vocab_size, config.hidden_size], device),
-        }
+/// Rotary tables `(cos, sin)`, each `[seq, head_dim]`.
+pub type RopeTables<B> = (Tensor<B, 2>, Tensor<B, 2>);
+
+impl<B: Backend> StemUnit<B> for Embedding<B> {
+    type Aux = RopeTables<B>;
+
+    /// Built once per sequence length on the host (about 20 ms at S=4096, a sixth of a 1.2B
+    /// model's step on an H200 if it were done per micro-batch).
+    fn aux(&self, cx: &Cx, device: &B::Device) -> RopeTables<B> {
+        ops::rope_tables(cx.seq_len(), self.head_dim, self.rope_theta, device)
     }
 
-    /// `[batch, seq]` token ids to `[batch, seq, hidden]`.
-    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        ops::embedding(self.weight.val(), tokens)
+    fn forward(&self, tokens: Tensor<B, 2, Int>, _: &Cx) -> Tensor<B, 3> {
+        self.embed_tokens.forward(tokens)
     }
 }
 
-/// Multi-head attention with grouped-query key/value heads and rotary position embeddings.
+/// Multi-head attention with grouped-query key/value heads and rotary position embeddings;
+/// under tensor parallelism each rank holds `heads / tp` query and `kv_heads / tp` key/value
+/// heads.
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
-    /// Query projection.
-    pub q_proj: Linear<B>,
-    /// Key projection (`kv_heads * head_dim` outputs).
-    pub k_proj: Linear<B>,
-    /// Value projection (`kv_heads * head_dim` outputs).
-    pub v_proj: Linear<B>,
-    /// Output projection.
-    pub o_proj: Linear<B>,
-    /// Query heads.
+    /// Query projection (column-parallel).
+    pub q_proj: ColumnParallelLinear<B>,
+    /// Key projection (`kv_heads * head_dim` outputs, column-parallel).
+    pub k_proj: ColumnParallelLinear<B>,
+    /// Value projection (`kv_heads * head_dim` outputs, column-parallel).
+    pub v_proj: ColumnParallelLinear<B>,
+    /// Output projection (row-parallel).
+    pub o_proj: RowParallelLinear<B>,
+    /// Query heads on this rank.
     pub num_heads: usize,
-    /// Key/value heads.
+    /// Key/value heads on this rank.
     pub num_kv_heads: usize,
 }
 
 impl<B: Backend> Attention<B> {
-    /// `x: [batch, seq, hidden]`; `cos`/`sin`: rotary tables `[seq, head_dim]`.
-    ///
-    /// The head width is taken from the query projection (`q_proj` outputs / `num_heads`), not
-    /// from `hidden`: on a tensor-parallel rank the projections hold only this rank's heads, so
-    /// the attention output is `num_heads * head_dim` wide, a slice of `hidden`, and `o_proj`
-    /// (row-parallel) maps it back to a partial sum of the full width.
-    pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -> Tensor<B, 3> {
+    /// `x`: the gathered `[batch, seq, hidden]`; `cos`/`sin`: rotary tables `[seq, head_dim]`.
+    /// Returns this rank's reduced output (see [`RowParallelLinear::forward`]).
+    pub fn forward(
+        &self,
+        x: &smp_burn::tp::Gathered<B>,
+        cos: Tensor<B, 2>,
+        sin: Tensor<B, 2>,
+    ) -> Tensor<B, 3> {
         let [batch, seq, _] = x.dims();
-        let q = self.q_proj.forward(x.clone());
+        let q = self.q_proj.forward(x);
         let width = q.dims()[2];
         let head_dim = width / self.num_heads;
         let heads =
             |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, head_dim]).swap_dims(1, 2);
         let q = heads(q, self.num_heads);
-        let k = heads(self.k_proj.forward(x.clone()), self.num_kv_heads);
+        let k = heads(self.k_proj.forward(x), self.num_kv_heads);
         let v = heads(self.v_proj.forward(x), self.num_kv_heads);
         let q = ops::rope(q, cos.clone(), sin.clone());
         let k = ops::rope(k, cos, sin);
@@ -124,18 +148,18 @@ impl<B: Backend> Attention<B> {
 /// The SwiGLU feed-forward block.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
-    /// Gate projection (through SiLU).
-    pub gate_proj: Linear<B>,
-    /// Up projection.
-    pub up_proj: Linear<B>,
-    /// Down projection.
-    pub down_proj: Linear<B>,
+    /// Gate projection (through SiLU; column-parallel).
+    pub gate_proj: ColumnParallelLinear<B>,
+    /// Up projection (column-parallel).
+    pub up_proj: ColumnParallelLinear<B>,
+    /// Down projection (row-parallel).
+    pub down_proj: RowParallelLinear<B>,
 }
 
 impl<B: Backend> Mlp<B> {
     /// `down(silu(gate(x)) * up(x))`.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gated = ops::swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
+    pub fn forward(&self, x: &smp_burn::tp::Gathered<B>) -> Tensor<B, 3> {
+        let gated = ops::swiglu(self.gate_proj.forward(x), self.up_proj.forward(x));
         self.down_proj.forward(gated)
     }
 }
@@ -151,138 +175,123 @@ pub struct DecoderLayer<B: Backend> {
     pub input_layernorm: RmsNorm<B>,
     /// Norm before the MLP.
     pub post_attention_layernorm: RmsNorm<B>,
+    tp: TpGroup,
 }
 
-impl<B: Backend> DecoderLayer<B> {
-    /// A template whose parameters are lazy.
-    pub fn template(config: &LlamaConfig, device: &B::Device) -> Self {
-        let (h, kv) = (
-            config.hidden_size,
-            config.num_key_value_heads * config.head_dim(),
-        );
-        let i = config.intermediate_size;
-        Self {
-            self_attn: Attention {
-                q_proj: Linear::lazy(h, h, device),
-                k_proj: Linear::lazy(kv, h, device),
-                v_proj: Linear::lazy(kv, h, device),
-                o_proj: Linear::lazy(h, h, device),
-                num_heads: config.num_attention_heads,
-                num_kv_heads: config.num_key_value_heads,
-            },
-            mlp: Mlp {
-                gate_proj: Linear::lazy(i, h, device),
-                up_proj: Linear::lazy(i, h, device),
-                down_proj: Linear::lazy(h, i, device),
-            },
-            input_layernorm: RmsNorm::lazy(h, config.rms_norm_eps, device),
-            post_attention_layernorm: RmsNorm::lazy(h, config.rms_norm_eps, device),
-        }
-    }
+impl<B: Backend> BlockUnit<B> for DecoderLayer<B> {
+    type Aux = RopeTables<B>;
 
-    /// `[batch, seq, hidden]` to the same shape.
-    pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -> Tensor<B, 3> {
-        self.forward_split(x, cos, sin, &Unsplit)
-            .expect("the unsplit layer runs no collective, so it cannot fail")
-    }
-
-    /// The layer with the entry and exit of each split region left to `sp`: `sp.enter` before
-    /// the attention and the MLP (after their norms), `sp.exit` after them (before the
-    /// residual add). With [`Unsplit`] this is [`Self::forward`]; with sequence parallelism
-    /// (`llama::parallel`) `x` is this rank's `[batch, seq / tp, hidden]` chunk, `enter`
-    /// gathers the sequence for the column-parallel projections and `exit` reduce-scatters the
-    /// row-parallel projections' partial sums back to the chunk. `cos`/`sin` cover the full
-    /// sequence, since rotary embeddings are applied after `enter`.
-    pub fn forward_split(
-        &self,
-        x: Tensor<B, 3>,
-        cos: Tensor<B, 2>,
-        sin: Tensor<B, 2>,
-        sp: &dyn SplitRegions<B>,
-    ) -> Result<Tensor<B, 3>> {
-        let attn_in = sp.enter(self.input_layernorm.forward(x.clone()))?;
-        let h = x + sp.exit(self.self_attn.forward(attn_in, cos, sin))?;
-        let mlp_in = sp.enter(self.post_attention_layernorm.forward(h.clone()))?;
-        Ok(h.clone() + sp.exit(self.mlp.forward(mlp_in))?)
+    /// `x`: this rank's residual stream (its chunk of the sequence with sequence
+    /// parallelism); each norm runs on it, then the split region's input is gathered.
+    fn forward(&self, x: Tensor<B, 3>, (cos, sin): &RopeTables<B>, _: &Cx) -> Tensor<B, 3> {
+        let attn_in = self.tp.enter(self.input_layernorm.forward(x.clone()));
+        let h = x + self.self_attn.forward(&attn_in, cos.clone(), sin.clone());
+        let mlp_in = self
+            .tp
+            .enter(self.post_attention_layernorm.forward(h.clone()));
+        h + self.mlp.forward(&mlp_in)
     }
 }
 
-/// Where a decoder layer's split regions (attention and MLP, between their norm and the
-/// residual add) begin and end. The model stays free of collectives: the parallel layer
-/// supplies an implementation that runs them (`llama::parallel`), [`Unsplit`] runs none.
-pub trait SplitRegions<B: Backend> {
-    /// Before the column-parallel projections: the norm's output to the region's input.
-    fn enter(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>>;
-    /// After the row-parallel projection: the region's output to what the residual adds.
-    fn exit(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>>;
-}
-
-/// No split: both region boundaries are the identity.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Unsplit;
-
-impl<B: Backend> SplitRegions<B> for Unsplit {
-    fn enter(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>> {
-        Ok(x)
-    }
-    fn exit(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>> {
-        Ok(x)
-    }
-}
-
-/// The last unit: final norm, LM head, and the loss.
+/// The last unit: final norm, LM head (split over the vocabulary under tensor parallelism),
+/// and the loss.
 #[derive(Module, Debug)]
 pub struct LmHead<B: Backend> {
     /// Final RMSNorm (`model.norm` in Hugging Face's names).
     pub norm: RmsNorm<B>,
     /// Projection to the vocabulary (`lm_head`).
-    pub lm_head: Linear<B>,
+    pub lm_head: ColumnParallelLinear<B>,
+    tp: TpGroup,
 }
 
-impl<B: Backend> LmHead<B> {
-    /// A template whose parameters are lazy.
-    pub fn template(config: &LlamaConfig, device: &B::Device) -> Self {
-        Self {
-            norm: RmsNorm::lazy(config.hidden_size, config.rms_norm_eps, device),
-            lm_head: Linear::lazy(config.vocab_size, config.hidden_size, device),
-        }
+impl<B: Backend> HeadUnit<B> for LmHead<B> {
+    /// Mean next-token cross-entropy through [`vocab_parallel_cross_entropy`]: on one rank the
+    /// fused chunked LM-head loss (no `[tokens, vocab]` f32 logits), split over the vocabulary
+    /// on several.
+    fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>, _: &Cx) -> Loss<B> {
+        let x = self.tp.enter(self.norm.forward(x));
+        vocab_parallel_cross_entropy(&x, self.lm_head.weight.val(), targets)
     }
 
-    /// `[batch, seq, hidden]` to logits `[batch, seq, vocab]`.
-    pub fn logits(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.lm_head.forward(self.norm.forward(x))
-    }
-
-    /// Mean next-token cross-entropy against `targets: [batch, seq]`, through
-    /// `ops::linear_cross_entropy`: where the backend allows, the LM head and the loss run in
-    /// token chunks, so the `[batch * seq, vocab]` logits are never all held in f32.
-    pub fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let [batch, seq, hidden] = x.dims();
-        ops::linear_cross_entropy(
-            self.norm.forward(x).reshape([batch * seq, hidden]),
-            self.lm_head.weight.val(),
-            targets.reshape([batch * seq]),
-        )
+    fn logits(&self, x: Tensor<B, 3>, _: &Cx) -> Tensor<B, 3> {
+        let x = self.tp.enter(self.norm.forward(x));
+        self.lm_head.forward_gathered(&x)
     }
 }
 
-/// Which unit a parameter belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UnitKind {
-    /// The token embedding.
-    Embedding,
-    /// Decoder layer `i`.
-    Layer(usize),
-    /// Final norm and LM head.
-    Head,
+/// The model as the engine's units, each layer holding this rank's slices for `tp`, lazily
+/// (nothing is allocated here). Llama's tensor-parallel plan is in the layer types: q/k/v and
+/// gate/up column-parallel, o and down row-parallel, the embedding and the LM head split over
+/// the vocabulary, norms replicated.
+///
+/// # Errors
+/// A shape that is invalid or that the degree does not split (the message names the values).
+pub fn units<B: Backend>(
+    config: &LlamaConfig,
+    tp: &TpGroup,
+    device: &B::Device,
+) -> crate::error::Result<LlamaUnits<B>> {
+    config.validate()?;
+    config.validate_tensor_parallel(tp.degree())?;
+    if config.tie_word_embeddings {
+        return Err(crate::LlamaError::Config(
+            "tie_word_embeddings = true is not supported by the Llama trainer (Llama 2 does not \
+             tie them)"
+                .into(),
+        ));
+    }
+    let (h, i, v) = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.vocab_size,
+    );
+    let kv = config.num_key_value_heads * config.head_dim();
+    let stem = Embedding {
+        embed_tokens: VocabParallelEmbeddingConfig::new(v, h)
+            .with_initializer(Initializer::Zeros)
+            .init(tp, device)?,
+        head_dim: config.head_dim(),
+        rope_theta: config.rope_theta,
+    };
+    let mut blocks = Vec::with_capacity(config.num_hidden_layers);
+    for _ in 0..config.num_hidden_layers {
+        blocks.push(DecoderLayer {
+            self_attn: Attention {
+                q_proj: column(h, h, tp, device)?,
+                k_proj: column(h, kv, tp, device)?,
+                v_proj: column(h, kv, tp, device)?,
+                o_proj: row(h, h, tp, device)?,
+                num_heads: config.num_attention_heads / tp.degree(),
+                num_kv_heads: config.num_key_value_heads / tp.degree(),
+            },
+            mlp: Mlp {
+                gate_proj: column(h, i, tp, device)?,
+                up_proj: column(h, i, tp, device)?,
+                down_proj: row(i, h, tp, device)?,
+            },
+            input_layernorm: RmsNorm::lazy(h, config.rms_norm_eps, device),
+            post_attention_layernorm: RmsNorm::lazy(h, config.rms_norm_eps, device),
+            tp: tp.clone(),
+        });
+    }
+    let head = LmHead {
+        norm: RmsNorm::lazy(h, config.rms_norm_eps, device),
+        lm_head: column(h, v, tp, device)?,
+        tp: tp.clone(),
+    };
+    Ok(smp_burn::engine::Units { stem, blocks, head })
 }
 
-/// Hugging Face's name of the parameter at `path` inside a unit.
-pub fn hf_name(unit: UnitKind, path: &str) -> String {
+/// Llama's units.
+pub type LlamaUnits<B> = smp_burn::engine::Units<Embedding<B>, DecoderLayer<B>, LmHead<B>>;
+
+/// Hugging Face's name of the parameter at `path` inside a unit: the engine's names for Llama,
+/// so that seeds, checkpoints and exports all speak Hugging Face's names.
+pub fn hf_name(unit: UnitId, path: &str) -> String {
     match unit {
-        UnitKind::Embedding => format!("model.embed_tokens.{path}"),
-        UnitKind::Layer(i) => format!("model.layers.{i}.{path}"),
-        UnitKind::Head => match path.strip_prefix("norm.") {
+        UnitId::Stem => format!("model.{path}"),
+        UnitId::Block(i) => format!("model.layers.{i}.{path}"),
+        UnitId::Head => match path.strip_prefix("norm.") {
             Some(rest) => format!("model.norm.{rest}"),
             None => path.to_string(),
         },

@@ -2,22 +2,21 @@
 //! checkpoints, metrics, export and sampling, for one rank of any data-parallel layout.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::{Int, Tensor, TensorData, backend::AutodiffBackend};
-use collectives::{Communicator, DeviceMesh};
 use serde::{Deserialize, Serialize};
-use smp_burn::fsdp::{AdamW, FsdpContext, StateKind};
-use smp_burn::tp::TpContext;
-use smp_burn::{HostTensorComm, ParallelConfig, ParallelDims, SmpError, TensorComm};
+use smp_burn::engine::{Init, StateKind};
+use smp_burn::fsdp::AdamW;
+use smp_burn::mesh::Mesh;
+use smp_burn::{ParallelConfig, ParallelDims};
 
 use crate::config::LlamaConfig;
 use crate::data::{Batch, DataPosition, TokenDataset};
 use crate::error::{LlamaError, Result};
 use crate::hf::{self, HostTensor, SaveDType, TensorMap};
 use crate::metrics::{MetricsLog, StepMetrics, write_loss_plot_svg};
-use crate::parallel::{ParamInit, ShardedLlama, seeded_init};
+use crate::parallel::{Build, LlamaEngine, build, seeded_init};
 use crate::tokenizer::TextTokenizer;
 
 /// Peak dense bf16 FLOP/s of an H100/H200 SXM, the denominator of MFU (DESIGN.md).
@@ -234,64 +233,6 @@ pub fn prepare(config: TrainConfig) -> Result<Prepared> {
     })
 }
 
-/// One rank's view of the process groups.
-#[derive(Debug, Clone)]
-pub struct RankGroups<IB: burn::tensor::backend::Backend> {
-    /// All ranks (host communicator, for small control messages).
-    pub world: Arc<dyn Communicator>,
-    /// Sharding context (shard and replica groups: ranks with the same tensor-parallel index).
-    pub fsdp: FsdpContext<IB>,
-    /// The tensor-parallel group (the mesh's `tensor` axis); `None` when
-    /// `tensor_parallel_degree` is 1.
-    pub tp: Option<TpContext<IB>>,
-    /// Index of this rank among the data-parallel ranks.
-    pub dp_rank: usize,
-    /// Data-parallel ranks.
-    pub dp_size: usize,
-}
-
-impl<IB: burn::tensor::backend::Backend> RankGroups<IB> {
-    /// Lays `world` out as the mesh `parallel` asks for and wraps each axis' host communicator
-    /// with `tensor_comm` (NCCL on GPUs, host memory elsewhere): the shard and replicate axes
-    /// for FSDP, then, with tensor parallelism, the tensor axis. Every rank creates them in
-    /// this order, so NCCL communicators (whose creation is collective) never wait on each
-    /// other. Collective over `world`.
-    pub fn new(
-        world: Arc<dyn Communicator>,
-        parallel: &ParallelConfig,
-        mut tensor_comm: impl FnMut(
-            Arc<dyn Communicator>,
-        ) -> std::result::Result<Arc<dyn TensorComm<IB>>, SmpError>,
-    ) -> Result<Self> {
-        let dims = ParallelDims::new(parallel, world.world_size())?;
-        let mesh = DeviceMesh::new(world.clone(), &dims.mesh_axes()).map_err(SmpError::from)?;
-        let shard = tensor_comm(mesh.axis("shard").map_err(SmpError::from)?)?;
-        let replicate = tensor_comm(mesh.axis("replicate").map_err(SmpError::from)?)?;
-        let tp = if dims.tensor > 1 {
-            Some(TpContext::new(tensor_comm(
-                mesh.axis("tensor").map_err(SmpError::from)?,
-            )?))
-        } else {
-            None
-        };
-        Ok(Self {
-            fsdp: FsdpContext::new(shard, Some(replicate), parallel),
-            tp,
-            dp_rank: world.rank() / dims.tensor,
-            dp_size: world.world_size() / dims.tensor,
-            world,
-        })
-    }
-
-    /// [`RankGroups::new`] with every collective through host memory: CPU thread-ranks or
-    /// processes over TCP, on any backend.
-    pub fn over_host(world: Arc<dyn Communicator>, parallel: &ParallelConfig) -> Result<Self> {
-        Self::new(world, parallel, |host| {
-            Ok(Arc::new(HostTensorComm::new(host)))
-        })
-    }
-}
-
 /// What a finished run reports.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
@@ -353,35 +294,30 @@ pub fn check_tensor_parallel(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(
 /// writes files and shows progress. `peak_flops` is the device's peak for MFU (None on CPU).
 pub fn train_rank<B: AutodiffBackend>(
     prepared: &Prepared,
-    groups: RankGroups<B::InnerBackend>,
+    mesh: Mesh<B::InnerBackend>,
     device: &B::Device,
     peak_flops: Option<f64>,
     memory_in_use: &dyn Fn() -> Option<u64>,
 ) -> Result<Summary> {
     let cfg = &prepared.config;
-    let rank = groups.world.rank();
+    let rank = mesh.rank();
     let lead = rank == 0;
-    let world = groups.world.world_size();
+    let world = mesh.world_size();
     let dims = ParallelDims::new(&cfg.parallel, world)?;
     check_tensor_parallel(cfg, &prepared.model)?;
-    let accum = accumulation_steps(cfg, groups.dp_size)?;
-    let global_micro = cfg.micro_batch * groups.dp_size;
+    let accum = accumulation_steps(cfg, mesh.dp_size())?;
+    let global_micro = cfg.micro_batch * mesh.dp_size();
     let tokens_per_step = (global_micro * accum * cfg.seq_len) as u64;
 
     // Model: from a checkpoint, from Hugging Face weights, or from the seed.
-    let build = |init: &ParamInit<'_>| {
-        ShardedLlama::<B>::with_tensor_parallel(
-            &prepared.model,
-            groups.fsdp.clone(),
-            groups.tp.clone(),
-            device,
-            cfg.parallel.checkpointing(),
+    let clip = (cfg.grad_clip > 0.0).then_some(cfg.grad_clip);
+    let build = |init: Init<'_>| {
+        let how = Build {
             init,
-        )
-        .and_then(|mut model| {
-            model.set_activation_offloading(cfg.parallel.offloading_horizon())?;
-            Ok(model)
-        })
+            adamw: cfg.adamw,
+            max_grad_norm: clip,
+        };
+        build::<B>(&prepared.model, &mesh, device, how)
     };
     let resume_dir = if cfg.resume {
         latest_checkpoint(&cfg.out_dir)?
@@ -401,24 +337,25 @@ pub fn train_rank<B: AutodiffBackend>(
                 ));
             }
             let weights = load_checked(&dir.join("model"), &prepared.model)?;
-            let mut model = build(&map_init(&weights, &dir.join("model")))?;
+            let mut model = build(Init::source(reader_source(&weights)))?;
             for (kind, sub) in [
                 (StateKind::ExpAvg, "exp_avg"),
                 (StateKind::ExpAvgSq, "exp_avg_sq"),
             ] {
                 let path = dir.join("optimizer").join(sub);
                 let moments = load_checked(&path, &prepared.model)?;
-                model.load_state(kind, &map_init(&moments, &path))?;
+                model.load_state(kind, &reader_source(&moments))?;
             }
+            model.set_optimizer_steps(state.step);
             (model, state.step, state.data_position)
         }
         None => {
             let model = match &cfg.init_from_hf {
                 Some(hf_dir) => {
                     let weights = load_checked(hf_dir, &prepared.model)?;
-                    build(&map_init(&weights, hf_dir))?
+                    build(Init::source(reader_source(&weights)))?
                 }
-                None => build(&seeded_init(cfg.seed))?,
+                None => build(seeded_init(cfg.seed))?,
             };
             (model, 0, DataPosition::default())
         }
@@ -465,6 +402,7 @@ pub fn train_rank<B: AutodiffBackend>(
                 None => String::new(),
             },
         );
+        tracing::info!("plan: {}", model.plan_summary());
     }
     // Every rank reports its own share: with sharding it is 1/shard-degree of the whole.
     tracing::info!(
@@ -480,7 +418,7 @@ pub fn train_rank<B: AutodiffBackend>(
 
     // Found out now, not after the last step: a validation split smaller than one global batch
     // (tiny corpora, long sequences, many ranks) would otherwise fail the run at its end.
-    let val_global = cfg.micro_batch * groups.dp_size;
+    let val_global = cfg.micro_batch * mesh.dp_size();
     let can_evaluate = prepared.dataset.val_windows() >= val_global;
     if !can_evaluate && lead {
         tracing::warn!(
@@ -489,7 +427,7 @@ pub fn train_rank<B: AutodiffBackend>(
              more data",
             prepared.dataset.val_windows(),
             cfg.micro_batch,
-            groups.dp_size
+            mesh.dp_size()
         );
     }
     let bar = (lead && cfg.progress).then(|| {
@@ -519,7 +457,6 @@ pub fn train_rank<B: AutodiffBackend>(
     let mut last_loss = f64::NAN;
     let run_start = Instant::now();
     let mut tokens_done = 0u64;
-    let clip = (cfg.grad_clip > 0.0).then_some(cfg.grad_clip);
     let mut pending: Option<PendingStep> = None;
     // Which steps end with an evaluation or a checkpoint (1-based step counts).
     let evaluates = |done: u64| {
@@ -537,17 +474,16 @@ pub fn train_rank<B: AutodiffBackend>(
         let step = start_step;
         let t0 = Instant::now();
         let lr = cfg.lr_at(step);
-        let mut loss_acc: Option<Tensor<B::InnerBackend, 1>> = None;
         for micro in 0..accum {
             let batch = prepared.dataset.next_batch_for_rank(
                 &mut position,
                 global_micro,
-                groups.dp_rank,
-                groups.dp_size,
+                mesh.dp_rank(),
+                mesh.dp_size(),
             )?;
             let (inputs, targets) = tensors::<B>(&batch, device);
             let last = micro + 1 == accum;
-            let loss = model.forward_backward(inputs, targets, 1.0 / accum as f32, !last)?;
+            model.forward_backward(inputs, targets, 1.0 / accum as f32, last)?;
             if lead && !offload_reported && model.offloaded_bytes() > 0 {
                 offload_reported = true;
                 tracing::info!(
@@ -556,10 +492,6 @@ pub fn train_rank<B: AutodiffBackend>(
                     model.offloaded_bytes() as f64 / (1u64 << 20) as f64
                 );
             }
-            loss_acc = Some(match loss_acc {
-                Some(acc) => acc + loss,
-                None => loss,
-            });
         }
         // The host returns from queuing forward and backward long before the GPU finishes them
         // unless the step is host-bound: this against the step time tells which one it is.
@@ -570,17 +502,14 @@ pub fn train_rank<B: AutodiffBackend>(
         if let Some(prev) = pending.take() {
             ready.push(prev.finish(t0)?);
         }
-        let stats = model.optimizer_step(&cfg.adamw, lr, step + 1, clip)?;
-        let loss = groups
-            .fsdp
-            .mean_over_data_parallel(loss_acc.expect("accum >= 1") / accum as f32)?;
+        let stats = model.step(lr)?;
         start_step += 1;
         let this = PendingStep {
             step: start_step,
             lr,
             started: t0,
             issued,
-            loss: smp_burn::readback::read_later(loss)?,
+            loss: smp_burn::readback::read_later(stats.loss)?,
             grad_norm: smp_burn::readback::read_later(stats.grad_norm)?,
             comm: stats.comm,
         };
@@ -611,7 +540,7 @@ pub fn train_rank<B: AutodiffBackend>(
                 )));
             }
             let val_loss = if evaluates(reported) {
-                Some(evaluate_loss(&model, prepared, &groups, device)?)
+                Some(evaluate_loss(&mut model, prepared, &mesh, device)?)
             } else {
                 None
             };
@@ -703,7 +632,7 @@ pub fn train_rank<B: AutodiffBackend>(
     }
     let sample = match &cfg.sample {
         Some(prompt) => Some(generate(
-            &model,
+            &mut model,
             prepared,
             prompt,
             cfg.sample_tokens,
@@ -768,18 +697,18 @@ impl PendingStep {
 }
 
 fn evaluate_loss<B: AutodiffBackend>(
-    model: &ShardedLlama<B>,
+    model: &mut LlamaEngine<B>,
     prepared: &Prepared,
-    groups: &RankGroups<B::InnerBackend>,
+    mesh: &Mesh<B::InnerBackend>,
     device: &B::Device,
 ) -> Result<f64> {
     let cfg = &prepared.config;
-    let global = cfg.micro_batch * groups.dp_size;
+    let global = cfg.micro_batch * mesh.dp_size();
     let mut total = 0.0;
     let mut n = 0;
     for batch in prepared
         .dataset
-        .val_batches_for_rank(global, groups.dp_rank, groups.dp_size)?
+        .val_batches_for_rank(global, mesh.dp_rank(), mesh.dp_size())?
         .take(cfg.eval_batches.max(1))
     {
         let (inputs, targets) = tensors::<B>(&batch, device);
@@ -798,7 +727,7 @@ fn evaluate_loss<B: AutodiffBackend>(
 /// Samples `tokens` tokens after `prompt` (temperature 0.8, top-k 40, fixed seed). Every rank
 /// runs it in lockstep (the forward gathers parameters); all get the same text.
 pub fn generate<B: AutodiffBackend>(
-    model: &ShardedLlama<B>,
+    model: &mut LlamaEngine<B>,
     prepared: &Prepared,
     prompt: &str,
     tokens: usize,
@@ -877,15 +806,24 @@ fn load_checked(dir: &Path, config: &LlamaConfig) -> Result<hf::CheckpointReader
     Ok(reader)
 }
 
-fn map_init<'a>(reader: &'a hf::CheckpointReader, _path: &'a Path) -> Box<ParamInit<'a>> {
-    Box::new(
-        move |name: &str, _shape: &[usize], range: std::ops::Range<usize>| reader.read(name, range),
-    )
+/// Full-parameter values from a checkpoint, by Hugging Face name.
+fn reader_source(
+    reader: &hf::CheckpointReader,
+) -> impl Fn(
+    &smp_burn::engine::ParamInfo<'_>,
+    std::ops::Range<usize>,
+) -> std::result::Result<Vec<f32>, smp_burn::SmpError>
++ '_ {
+    move |info, range| {
+        reader
+            .read(info.name, range)
+            .map_err(|e| smp_burn::SmpError::Usage(e.to_string()))
+    }
 }
 
 /// Exports the model as a Hugging Face directory (bf16 by default). Collective; rank 0 writes.
 pub fn export_hf<B: AutodiffBackend>(
-    model: &ShardedLlama<B>,
+    model: &LlamaEngine<B>,
     prepared: &Prepared,
     dir: &Path,
     lead: bool,
@@ -956,7 +894,7 @@ pub fn latest_checkpoint(out_dir: &Path) -> Result<Option<PathBuf>> {
 /// rename) point at it. A crash at any moment leaves the previous checkpoint usable.
 /// Collective: every rank gathers; rank 0 writes.
 pub fn save_checkpoint<B: AutodiffBackend>(
-    model: &ShardedLlama<B>,
+    model: &LlamaEngine<B>,
     prepared: &Prepared,
     step: u64,
     position: DataPosition,

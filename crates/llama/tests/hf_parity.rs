@@ -12,16 +12,16 @@
 //! logits of magnitude up to ~4.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Int, Tensor, TensorData};
 use collectives::{CommOptions, ThreadGroup};
 use llama::hf;
-use llama::parallel::ShardedLlama;
+use llama::parallel::{Build, build};
 use llama::tokenizer::TextTokenizer;
-use smp_burn::fsdp::FsdpContext;
-use smp_burn::{HostTensorComm, ParallelConfig};
+use smp_burn::ParallelConfig;
+use smp_burn::engine::Init;
+use smp_burn::mesh::Mesh;
 
 type B = Autodiff<NdArray<f32>>;
 
@@ -41,16 +41,15 @@ fn our_logits(dir: &std::path::Path, tokens: &[i64]) -> Vec<Vec<f32>> {
     let weights = hf::load_safetensors_dir(dir).unwrap();
     hf::check_tensors(&llama::model::parameter_shapes(&config), &weights, dir).unwrap();
     let comm = ThreadGroup::new(1, CommOptions::default()).remove(0);
-    let ctx = FsdpContext::new(
-        Arc::new(HostTensorComm::new(comm)),
-        None,
-        &ParallelConfig::default(),
-    );
+    let mesh = Mesh::over_host(comm, &ParallelConfig::default()).unwrap();
     let device = Default::default();
-    let init = |name: &str, _: &[usize], range: std::ops::Range<usize>| {
-        Ok(weights[name].data[range].to_vec())
+    let init = Init::source(|info, range| Ok(weights[info.name].data[range].to_vec()));
+    let how = Build {
+        init,
+        adamw: Default::default(),
+        max_grad_norm: None,
     };
-    let model = ShardedLlama::<B>::new(&config, ctx, &device, false, &init).unwrap();
+    let mut model = build::<B>(&config, &mesh, &device, how).unwrap();
     let input = Tensor::<B, 2, Int>::from_data(
         TensorData::new(tokens.to_vec(), [1, tokens.len()]),
         &device,

@@ -452,6 +452,22 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         Ok(self.assemble(full, track_grad))
     }
 
+    /// The module with the full fp32 master weights (no gradient), with the parameters this
+    /// unit leaves to another taken from `external`: the trained values for Burn's own tools.
+    pub fn gather_master(
+        &self,
+        ctx: &FsdpContext<B::InnerBackend>,
+        external: &ExternalParams,
+    ) -> Result<M, SmpError> {
+        self.assert_grads_finished("gather_master");
+        let full = if self.degree == 1 {
+            self.master.clone()
+        } else {
+            ctx.timed(|| ctx.shard.all_gather(self.master.clone()))?
+        };
+        Ok(self.assemble_with(full, false, external))
+    }
+
     /// [`Self::gather`] with the parameters this unit leaves to another taken from `external`.
     pub fn gather_with(
         &self,

@@ -79,6 +79,25 @@ impl<F: FloatElement, I: IntElement> CudaTensors for CudaCube<F, I> {
     }
 }
 
+/// The mesh `config` asks for with NCCL collectives on CUDA device `gpu` (groups of one rank
+/// need none). Collective over `world`.
+///
+/// # Errors
+/// Degrees that do not fit the world, or an NCCL communicator that cannot be created.
+pub fn nccl_mesh<B: CudaTensors>(
+    world: Arc<dyn Communicator>,
+    config: &crate::ParallelConfig,
+    gpu: usize,
+) -> Result<crate::mesh::Mesh<B>, SmpError> {
+    crate::mesh::Mesh::new(world, config, &mut |host| {
+        Ok(if host.world_size() == 1 {
+            Arc::new(crate::comm::HostTensorComm::new(host)) as Arc<dyn TensorComm<B>>
+        } else {
+            Arc::new(CudaTensorComm::new(host.as_ref(), gpu)?)
+        })
+    })
+}
+
 /// Number of CUDA devices visible to this process; 0 when libcuda is missing or fails to
 /// initialize (never panics).
 pub fn cuda_device_count() -> usize {

@@ -7,9 +7,9 @@ use burn::module::Module;
 use burn::tensor::{Tensor, TensorData, backend::AutodiffBackend};
 
 use super::build::{ParamSource, read_slice};
-use super::{BlockUnit, Engine, HeadUnit, ParamInfo, ParamMeta, Sharded, StemUnit, UnitId};
+use super::{BlockUnit, Engine, HeadUnit, ParamInfo, ParamMeta, Sharded, StemUnit, UnitId, Units};
 use crate::error::SmpError;
-use crate::fsdp::{FlatParam, StateKind};
+use crate::fsdp::{ExternalParams, FlatParam, StateKind};
 use crate::tp::Placement;
 use crate::tp::placement::join_slices;
 
@@ -94,6 +94,43 @@ where
                 None => String::new(),
             }
         )
+    }
+
+    /// The units with their full fp32 weights, as plain Burn modules (no gradients): for Burn's
+    /// own tools (records, evaluation, a single-process run). Tied parameters come back shared
+    /// (one id, one tensor). Collective: every rank must call it.
+    ///
+    /// # Errors
+    /// Under tensor parallelism (the layers then hold slices, not whole weights; use
+    /// [`Self::gather_named`]), or a failed collective.
+    pub fn gather_units(&self) -> Result<Units<S, K, H>, SmpError> {
+        if self.mesh.tp().degree() > 1 {
+            return Err(SmpError::Usage(format!(
+                "gather_units under tensor_parallel_degree {}: the layers hold slices; use \
+                 gather_named for the full tensors",
+                self.mesh.tp().degree()
+            )));
+        }
+        let ctx = self.mesh.fsdp();
+        let mut external = ExternalParams::default();
+        if let Some(t) = &self.tied {
+            let tied = t.unit.gather_master(ctx, &ExternalParams::default())?;
+            for p in &tied.matrices {
+                external.insert::<B, 2>(p.id, p.val());
+            }
+            for p in &tied.vectors {
+                external.insert::<B, 1>(p.id, p.val());
+            }
+        }
+        Ok(Units {
+            stem: self.stem.unit.gather_master(ctx, &external)?,
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| b.unit.gather_master(ctx, &external))
+                .collect::<Result<_, _>>()?,
+            head: self.head.unit.gather_master(ctx, &external)?,
+        })
     }
 
     /// Every parameter's (or AdamW moment's) full fp32 values by name, in plan order. Split

@@ -1,0 +1,497 @@
+//! A GPT-2 style model that shares nothing with Llama (`examples/gpt_train/model.rs`), trained by
+//! the engine on 1, 2 and 4 CPU thread-ranks in every layout, must match plain single-process
+//! Burn training of the same model (Burn's own autodiff loop and Burn's AdamW); misuse must be
+//! an error.
+//!
+//! Tolerance: f32 throughout. The parallel runs average per-rank means, sum partial products
+//! over tensor-parallel ranks and reduce gradients in another order than one process does: the
+//! same sums in another order, so results differ by float rounding only. Burn's own LayerNorm
+//! is the largest source: on NdArray its input gradient for the same token differs by about
+//! 1e-4 (relative) between a batch of 16 and of 32 tokens (measured; its backward subtracts
+//! nearly equal sums). AdamW runs with a large epsilon (1e-2) so that this noise in near-zero
+//! gradients is not amplified into full-size updates of random sign. We accept 2e-5 relative on
+//! losses and 1e-3 on parameters (relative to each tensor's largest magnitude); a real bug (a
+//! missing reduction, a bias added before the reduction, a wrong slice) moves them by orders of
+//! magnitude more.
+
+#[path = "../examples/gpt_train/model.rs"]
+#[allow(dead_code)]
+mod model;
+
+use std::sync::Arc;
+
+use burn::backend::Autodiff;
+use burn::module::{Module, ModuleMapper, Param};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_ndarray::NdArray;
+use collectives::{CommOptions, Communicator, run_on_threads};
+use model::{Block, GptConfig, Head, Stem, gpt_units};
+use smp_burn::ParallelConfig;
+use smp_burn::engine::{
+    BlockUnit, Cx, EngineBuilder, Group, HeadUnit, Init, StateKind, StemUnit, Units,
+};
+use smp_burn::mesh::Mesh;
+use smp_burn::optim::{AdamW, BurnOptim};
+use smp_burn::tp::TpGroup;
+
+type Cpu = Autodiff<NdArray<f32>>;
+
+const STEPS: usize = 3;
+const GLOBAL_BATCH: usize = 4;
+const SEQ: usize = 8;
+const LR: f64 = 1e-2;
+const SEED: u64 = 11;
+
+fn config(tie_embeddings: bool) -> GptConfig {
+    GptConfig {
+        vocab: 32,
+        max_seq: SEQ,
+        layers: 2,
+        heads: 4,
+        d_model: 16,
+        tie_embeddings,
+    }
+}
+
+fn adamw() -> AdamW {
+    AdamW {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-2,
+        weight_decay: 0.1,
+    }
+}
+
+/// Step `step`'s global batch: `[GLOBAL_BATCH, SEQ]` inputs and next-token targets. Each row
+/// follows `t -> 5 t + 3 (mod vocab)` from a random start, with an occasional random token, so
+/// that there is something to learn in a few steps.
+fn global_batch(step: usize, vocab: usize) -> (Vec<i64>, Vec<i64>) {
+    let mut x = (step as u64 + 7).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut random = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let v = vocab as u64;
+    let rows: Vec<Vec<i64>> = (0..GLOBAL_BATCH)
+        .map(|_| {
+            let mut t = random() % v;
+            (0..=SEQ)
+                .map(|_| {
+                    let out = t as i64;
+                    t = if random() % 8 == 0 {
+                        random() % v
+                    } else {
+                        (5 * t + 3) % v
+                    };
+                    out
+                })
+                .collect()
+        })
+        .collect();
+    let inputs = rows.iter().flat_map(|r| r[..SEQ].to_vec()).collect();
+    let targets = rows.iter().flat_map(|r| r[1..].to_vec()).collect();
+    (inputs, targets)
+}
+
+/// Rows `rows` of a `[GLOBAL_BATCH, SEQ]` batch as a tensor.
+fn rows(values: &[i64], rows: std::ops::Range<usize>) -> Tensor<Cpu, 2, Int> {
+    let n = rows.len();
+    let v = values[rows.start * SEQ..rows.end * SEQ].to_vec();
+    Tensor::from_data(TensorData::new(v, [n, SEQ]), &Default::default())
+}
+
+/// What a run ends with.
+#[derive(Debug, Clone)]
+struct Run {
+    losses: Vec<f64>,
+    params: Vec<(String, Vec<f32>)>,
+}
+
+fn assert_matches(reference: &Run, got: &Run, what: &str) {
+    for (step, (a, b)) in reference.losses.iter().zip(&got.losses).enumerate() {
+        assert!(
+            (a - b).abs() <= 2e-5 * a.abs(),
+            "{what}: step {step} loss {b} vs plain Burn {a}"
+        );
+    }
+    assert_eq!(
+        reference.params.len(),
+        got.params.len(),
+        "{what}: parameters"
+    );
+    for ((na, va), (nb, vb)) in reference.params.iter().zip(&got.params) {
+        assert_eq!(na, nb, "{what}");
+        let scale = va.iter().fold(0f32, |m, x| m.max(x.abs())) + 1e-12;
+        let diff = va
+            .iter()
+            .zip(vb)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            diff / scale < 1e-3,
+            "{what}: {na} differs from plain Burn by {:.2e} (relative)",
+            diff / scale
+        );
+    }
+}
+
+/// Every parameter of plain units by the engine's default names (`stem.wte.weight`, ...),
+/// tied ones once.
+fn named(units: &Units<Stem<Cpu>, Block<Cpu>, Head<Cpu>>) -> Vec<(String, Vec<f32>)> {
+    struct Collect {
+        prefix: String,
+        path: Vec<String>,
+        seen: std::collections::HashSet<burn::module::ParamId>,
+        out: Vec<(String, Vec<f32>)>,
+    }
+    impl burn::module::ModuleVisitor<Cpu> for Collect {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.into());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Cpu, D>>) {
+            if self.seen.insert(p.id) {
+                let v = p.val().into_data().to_vec::<f32>().unwrap();
+                self.out
+                    .push((format!("{}.{}", self.prefix, self.path.join(".")), v));
+            }
+        }
+    }
+    let mut c = Collect {
+        prefix: String::new(),
+        path: Vec::new(),
+        seen: Default::default(),
+        out: Vec::new(),
+    };
+    c.prefix = "stem".into();
+    units.stem.visit(&mut c);
+    for (i, b) in units.blocks.iter().enumerate() {
+        c.prefix = format!("blocks.{i}");
+        b.visit(&mut c);
+    }
+    c.prefix = "head".into();
+    units.head.visit(&mut c);
+    let mut out = c.out;
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Weight decay on every parameter, as Burn's AdamW applies it.
+fn decay_all(_: &smp_burn::engine::ParamInfo<'_>) -> Group {
+    Group::decay(adamw().weight_decay)
+}
+
+/// The model's initial values as plain Burn modules: a one-rank engine's, gathered.
+fn initial_units(cfg: GptConfig) -> Units<Stem<Cpu>, Block<Cpu>, Head<Cpu>> {
+    let mesh = Mesh::over_host(single(), &ParallelConfig::default()).unwrap();
+    let device = Default::default();
+    let units = gpt_units::<Cpu>(&cfg, mesh.tp(), &device).unwrap();
+    EngineBuilder::new(&mesh)
+        .init(Init::seeded(SEED))
+        .build(units, &device)
+        .unwrap()
+        .gather_units()
+        .unwrap()
+}
+
+fn single() -> Arc<dyn Communicator> {
+    run_on_threads(1, CommOptions::default(), |c| c).remove(0)
+}
+
+/// The plain model for Burn's own loop.
+#[derive(Module, Debug)]
+struct Plain<B: burn::tensor::backend::Backend> {
+    stem: Stem<B>,
+    blocks: Vec<Block<B>>,
+    head: Head<B>,
+}
+
+/// Plain single-process Burn training: the whole global batch per step, `loss.backward()`,
+/// Burn's AdamW (which decays every parameter).
+fn plain_burn(cfg: GptConfig) -> Run {
+    let units = initial_units(cfg);
+    // Every parameter a fresh leaf, then the head's tied weight the stem's own tensor again.
+    struct Leaves;
+    impl ModuleMapper<Cpu> for Leaves {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<Cpu, D>>) -> Param<Tensor<Cpu, D>> {
+            let id = p.id;
+            Param::initialized(id, p.val().detach().require_grad())
+        }
+    }
+    let retie = |mut m: Plain<Cpu>| {
+        if m.head.wte.is_some() {
+            m.head.wte = Some(m.stem.wte.weight.clone());
+        }
+        m
+    };
+    let mut model = retie(
+        Plain {
+            stem: units.stem,
+            blocks: units.blocks,
+            head: units.head,
+        }
+        .map(&mut Leaves),
+    );
+    let mut optim = AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.95)
+        .with_epsilon(1e-2)
+        .with_weight_decay(0.1)
+        .init::<Cpu, Plain<Cpu>>();
+    let cx = Cx::new(GLOBAL_BATCH, SEQ, &TpGroup::single()).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = global_batch(step, cfg.vocab);
+        let mut h = model.stem.forward(rows(&x, 0..GLOBAL_BATCH), &cx);
+        for b in &model.blocks {
+            h = b.forward(h, &(), &cx);
+        }
+        let loss = model
+            .head
+            .loss(h, rows(&y, 0..GLOBAL_BATCH), &cx)
+            .value()
+            .clone();
+        losses.push(loss.clone().into_scalar() as f64);
+        let grads = loss.backward();
+        let grads = GradientsParams::from_grads(grads, &model);
+        model = retie(optim.step(LR, model, grads));
+    }
+    Run {
+        losses,
+        params: named(&Units {
+            stem: model.stem,
+            blocks: model.blocks,
+            head: model.head,
+        }),
+    }
+}
+
+/// How an engine run is set up.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    world: usize,
+    sdp: usize,
+    tp: usize,
+    sequence_parallel: bool,
+    checkpointing: bool,
+    micro_batches: usize,
+}
+
+impl Layout {
+    fn new(world: usize, sdp: usize, tp: usize) -> Self {
+        Self {
+            world,
+            sdp,
+            tp,
+            sequence_parallel: true,
+            checkpointing: true,
+            micro_batches: 1,
+        }
+    }
+}
+
+/// The engine on `layout.world` thread-ranks; every rank's result.
+fn engine_run(
+    cfg: GptConfig,
+    layout: Layout,
+    init: &(dyn Fn() -> Init<'static> + Sync),
+) -> Vec<Run> {
+    let parallel = ParallelConfig {
+        hybrid_shard_degree: layout.sdp,
+        tensor_parallel_degree: layout.tp,
+        sequence_parallel: layout.sequence_parallel,
+        activation_checkpointing: layout.checkpointing,
+        ..Default::default()
+    };
+    run_on_threads(layout.world, CommOptions::default(), |world| {
+        let device = Default::default();
+        let mesh = Mesh::over_host(world, &parallel).unwrap();
+        let units = gpt_units::<Cpu>(&cfg, mesh.tp(), &device).unwrap();
+        let mut engine = EngineBuilder::new(&mesh)
+            .init(init())
+            .adamw(adamw())
+            .param_groups(decay_all)
+            .build(units, &device)
+            .unwrap();
+        let per_rank = GLOBAL_BATCH / mesh.dp_size();
+        let per_micro = per_rank / layout.micro_batches;
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let (x, y) = global_batch(step, cfg.vocab);
+            let first = mesh.dp_rank() * per_rank;
+            let micro = (0..layout.micro_batches).map(|m| {
+                let r = first + m * per_micro..first + (m + 1) * per_micro;
+                (rows(&x, r.clone()), rows(&y, r))
+            });
+            let stats = engine.train_step(micro, LR).unwrap();
+            losses.push(stats.loss.into_scalar() as f64);
+        }
+        let mut params: Vec<(String, Vec<f32>)> = engine
+            .gather_named(StateKind::Weights)
+            .unwrap()
+            .into_iter()
+            .map(|(name, _, v)| (name, v))
+            .collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        Run { losses, params }
+    })
+}
+
+fn seeded() -> Init<'static> {
+    Init::seeded(SEED)
+}
+
+fn check(cfg: GptConfig, layouts: &[Layout]) {
+    let reference = plain_burn(cfg);
+    assert!(
+        reference.losses.last() < reference.losses.first(),
+        "the model should learn: {:?}",
+        reference.losses
+    );
+    for layout in layouts {
+        for (rank, run) in engine_run(cfg, *layout, &seeded).iter().enumerate() {
+            assert_matches(&reference, run, &format!("{layout:?} rank {rank}"));
+        }
+    }
+}
+
+#[test]
+fn one_rank_matches_plain_burn() {
+    let mut no_ckpt = Layout::new(1, 0, 1);
+    no_ckpt.checkpointing = false;
+    check(config(true), &[Layout::new(1, 0, 1), no_ckpt]);
+    check(config(false), &[Layout::new(1, 0, 1)]);
+}
+
+#[test]
+fn fsdp_and_hybrid_match_plain_burn() {
+    let mut accumulate = Layout::new(2, 0, 1);
+    accumulate.micro_batches = 2;
+    let mut no_ckpt = Layout::new(4, 2, 1);
+    no_ckpt.checkpointing = false;
+    check(
+        config(true),
+        &[
+            Layout::new(2, 0, 1),
+            Layout::new(4, 2, 1),
+            accumulate,
+            no_ckpt,
+        ],
+    );
+}
+
+#[test]
+fn tensor_parallel_matches_plain_burn() {
+    let mut plain_tp = Layout::new(2, 0, 2);
+    plain_tp.sequence_parallel = false;
+    let mut no_ckpt = Layout::new(2, 0, 2);
+    no_ckpt.checkpointing = false;
+    check(
+        config(true),
+        &[
+            Layout::new(2, 0, 2),
+            plain_tp,
+            no_ckpt,
+            Layout::new(4, 0, 2),
+        ],
+    );
+    check(config(false), &[Layout::new(4, 2, 2)]);
+}
+
+/// An initialized model handed to the engine as it is (each rank keeps its shard), and a full
+/// one sliced for tensor parallelism, train like the seeded run.
+#[test]
+fn initialized_models_shard() {
+    let cfg = config(true);
+    let reference = plain_burn(cfg);
+    let parallel = ParallelConfig::default();
+    let runs = run_on_threads(2, CommOptions::default(), |world| {
+        let device = Default::default();
+        let mesh = Mesh::over_host(world, &parallel).unwrap();
+        let mut engine = EngineBuilder::new(&mesh)
+            .adamw(adamw())
+            .param_groups(decay_all)
+            .build(initial_units(cfg), &device)
+            .unwrap();
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let (x, y) = global_batch(step, cfg.vocab);
+            let r = mesh.dp_rank() * 2..mesh.dp_rank() * 2 + 2;
+            let stats = engine
+                .train_step([(rows(&x, r.clone()), rows(&y, r))], LR)
+                .unwrap();
+            losses.push(stats.loss.into_scalar() as f64);
+        }
+        let mut params: Vec<_> = engine
+            .gather_named(StateKind::Weights)
+            .unwrap()
+            .into_iter()
+            .map(|(n, _, v)| (n, v))
+            .collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        Run { losses, params }
+    });
+    for r in &runs {
+        assert_matches(&reference, r, "FSDP 2 from initialized units");
+    }
+    let from_full = || {
+        let full = initial_units(cfg);
+        Init::from_full_units::<Cpu, _, _, _>(&full).unwrap()
+    };
+    for layout in [Layout::new(2, 0, 2), Layout::new(4, 0, 2)] {
+        for r in engine_run(cfg, layout, &from_full) {
+            assert_matches(&reference, &r, &format!("{layout:?} from a full model"));
+        }
+    }
+}
+
+/// A Burn optimizer stepping the shards (Burn's AdamW through `BurnOptim`) trains like the
+/// fused AdamW and like plain Burn.
+#[test]
+fn burn_optimizer_steps_shards() {
+    let cfg = config(true);
+    let reference = plain_burn(cfg);
+    let parallel = ParallelConfig::default();
+    let runs = run_on_threads(2, CommOptions::default(), |world| {
+        let device = Default::default();
+        let mesh = Mesh::over_host(world, &parallel).unwrap();
+        let units = gpt_units::<Cpu>(&cfg, mesh.tp(), &device).unwrap();
+        let mut engine = EngineBuilder::new(&mesh)
+            .init(Init::seeded(SEED))
+            .optimizer(BurnOptim::new("Burn AdamW", |g: &Group| {
+                AdamWConfig::new()
+                    .with_beta_1(0.9)
+                    .with_beta_2(0.95)
+                    .with_epsilon(1e-2)
+                    .with_weight_decay(g.weight_decay as f32)
+                    .build()
+            }))
+            .param_groups(decay_all)
+            .build(units, &device)
+            .unwrap();
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let (x, y) = global_batch(step, cfg.vocab);
+            let r = mesh.dp_rank() * 2..mesh.dp_rank() * 2 + 2;
+            let stats = engine
+                .train_step([(rows(&x, r.clone()), rows(&y, r))], LR)
+                .unwrap();
+            losses.push(stats.loss.into_scalar() as f64);
+        }
+        let mut params: Vec<_> = engine
+            .gather_named(StateKind::Weights)
+            .unwrap()
+            .into_iter()
+            .map(|(n, _, v)| (n, v))
+            .collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        Run { losses, params }
+    });
+    for r in &runs {
+        assert_matches(&reference, r, "Burn's AdamW on shards");
+    }
+}
