@@ -29,7 +29,7 @@ use collectives::{CommOptions, Communicator, run_on_threads};
 use model::{Block, GptConfig, Head, Stem, gpt_units};
 use smp_burn::ParallelConfig;
 use smp_burn::engine::{
-    BlockUnit, Cx, EngineBuilder, Group, HeadUnit, Init, StateKind, StemUnit, Units,
+    BlockUnit, Cx, EngineBuilder, Group, HeadUnit, Init, StateKind, StemUnit, UnitId, Units,
 };
 use smp_burn::mesh::Mesh;
 use smp_burn::optim::{AdamW, BurnOptim};
@@ -494,4 +494,251 @@ fn burn_optimizer_steps_shards() {
     for r in &runs {
         assert_matches(&reference, r, "Burn's AdamW on shards");
     }
+}
+
+/// Runs `f` on `world` thread-ranks with a mesh of `parallel`; every rank's result.
+fn on_mesh<R: Send>(
+    world: usize,
+    parallel: &ParallelConfig,
+    f: impl Fn(Mesh<NdArray<f32>>) -> R + Sync,
+) -> Vec<R> {
+    run_on_threads(world, CommOptions::default(), |comm| {
+        f(Mesh::over_host(comm, parallel).unwrap())
+    })
+}
+
+fn tp2() -> ParallelConfig {
+    ParallelConfig {
+        tensor_parallel_degree: 2,
+        ..Default::default()
+    }
+}
+
+fn one_batch() -> (Tensor<Cpu, 2, Int>, Tensor<Cpu, 2, Int>) {
+    let (x, y) = global_batch(0, 32);
+    (rows(&x, 0..2), rows(&y, 0..2))
+}
+
+/// What the engine must refuse, each with an error that says what and names the values.
+#[test]
+fn misuse_is_an_error() {
+    let cfg = config(true);
+    let device = Default::default();
+    // A step whose last micro-batch deferred its gradient reduction, and a step without any.
+    let errors = on_mesh(2, &ParallelConfig::default(), |mesh| {
+        let units = gpt_units::<Cpu>(&cfg, mesh.tp(), &device).unwrap();
+        let mut engine = EngineBuilder::new(&mesh)
+            .init(Init::seeded(1))
+            .build(units, &device)
+            .unwrap();
+        let none = engine.step(1e-3).unwrap_err().to_string();
+        let (x, y) = one_batch();
+        engine.forward_backward(x, y, 1.0, false).unwrap();
+        (none, engine.step(1e-3).unwrap_err().to_string())
+    });
+    let (none, deferred) = &errors[0];
+    assert!(none.contains("without a forward_backward"), "{none}");
+    assert!(deferred.contains("sync = false"), "{deferred}");
+
+    // Layers built without the mesh's group in a tensor-parallel engine.
+    let errors = on_mesh(2, &tp2(), |mesh| {
+        let units = gpt_units::<Cpu>(&cfg, &TpGroup::single(), &device).unwrap();
+        let mut engine = match EngineBuilder::new(&mesh)
+            .init(Init::seeded(1))
+            .build(units, &device)
+        {
+            Ok(e) => e,
+            Err(e) => return e.to_string(),
+        };
+        let (x, y) = one_batch();
+        engine
+            .forward_backward(x, y, 1.0, true)
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(
+        errors[0].contains("stem.wte.weight")
+            && errors[0].contains("degree 1")
+            && errors[0].contains("degree is 2"),
+        "{}",
+        errors[0]
+    );
+
+    // A sequence that tensor parallelism cannot split.
+    let errors = on_mesh(2, &tp2(), |mesh| {
+        let units = gpt_units::<Cpu>(&cfg, mesh.tp(), &device).unwrap();
+        let mut engine = EngineBuilder::new(&mesh)
+            .init(Init::seeded(1))
+            .build(units, &device)
+            .unwrap();
+        let (x, y) = one_batch();
+        let odd = |t: Tensor<Cpu, 2, Int>| t.narrow(1, 0, 7);
+        engine
+            .forward_backward(odd(x), odd(y), 1.0, true)
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(
+        errors[0].contains("sequence length 7") && errors[0].contains("degree 2"),
+        "{}",
+        errors[0]
+    );
+
+    // Degrees the model's shape does not split.
+    let e = gpt_units::<Cpu>(
+        &GptConfig {
+            heads: 3,
+            d_model: 12,
+            ..cfg
+        },
+        &on_mesh(2, &tp2(), |m| m.tp().clone())[0],
+        &device,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("heads 3") && e.contains("degree 2"), "{e}");
+}
+
+/// A plain model (no tensor-parallel layers) for the misuse cases of the stem and the plan.
+mod plain {
+    use burn::module::Module;
+    use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+    use burn::tensor::{Int, Tensor, backend::Backend};
+    use smp_burn::engine::{BlockUnit, Cx, HeadUnit, StemUnit, Units};
+    use smp_burn::{Loss, ops};
+
+    /// A stem that forgets to take its chunk of the sequence.
+    #[derive(Module, Debug)]
+    pub struct WholeSequenceStem<B: Backend> {
+        pub emb: Embedding<B>,
+    }
+    impl<B: Backend> StemUnit<B> for WholeSequenceStem<B> {
+        type Aux = ();
+        fn aux(&self, _: &Cx, _: &B::Device) {}
+        fn forward(&self, ids: Tensor<B, 2, Int>, _: &Cx) -> Tensor<B, 3> {
+            self.emb.forward(ids)
+        }
+    }
+    #[derive(Module, Debug)]
+    pub struct Block<B: Backend> {
+        pub mlp: Linear<B>,
+    }
+    impl<B: Backend> BlockUnit<B> for Block<B> {
+        type Aux = ();
+        fn forward(&self, x: Tensor<B, 3>, _: &(), _: &Cx) -> Tensor<B, 3> {
+            x.clone() + self.mlp.forward(x)
+        }
+    }
+    #[derive(Module, Debug)]
+    pub struct Head<B: Backend> {
+        pub out: Linear<B>,
+    }
+    impl<B: Backend> HeadUnit<B> for Head<B> {
+        fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>, cx: &Cx) -> Loss<B> {
+            let [b, s, _] = x.dims();
+            let logits = self.out.forward(x).reshape([b * s, 32]);
+            Loss::over_chunk(ops::cross_entropy(
+                logits,
+                cx.chunk_of(targets).reshape([b * s]),
+            ))
+        }
+        fn logits(&self, x: Tensor<B, 3>, cx: &Cx) -> Tensor<B, 3> {
+            self.out.forward(cx.gather_sequence(x))
+        }
+    }
+
+    /// The model, initialized with Burn's own initializers (`blocks` of them).
+    pub fn units<B: Backend>(
+        blocks: usize,
+        device: &B::Device,
+    ) -> Units<WholeSequenceStem<B>, Block<B>, Head<B>> {
+        Units {
+            stem: WholeSequenceStem {
+                emb: EmbeddingConfig::new(32, 8).init(device),
+            },
+            blocks: (0..blocks)
+                .map(|_| Block {
+                    mlp: LinearConfig::new(8, 8).init(device),
+                })
+                .collect(),
+            head: Head {
+                out: LinearConfig::new(8, 32).init(device),
+            },
+        }
+    }
+}
+
+/// Misuse around the plan and the initial values.
+#[test]
+fn plan_and_values_misuse_is_an_error() {
+    let device = Default::default();
+    // Tensor parallelism for a model without tensor-parallel layers.
+    let errors = on_mesh(2, &tp2(), |mesh| {
+        EngineBuilder::new(&mesh)
+            .init(Init::seeded(1))
+            .build(plain::units::<Cpu>(1, &device), &device)
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(
+        errors[0].contains("tensor_parallel_degree 2") && errors[0].contains("no tensor-parallel"),
+        "{}",
+        errors[0]
+    );
+    // Ranks that build different models (one block on rank 0, two on rank 1).
+    let errors = on_mesh(2, &ParallelConfig::default(), |mesh| {
+        let units = plain::units::<Cpu>(1 + mesh.rank(), &device);
+        EngineBuilder::new(&mesh)
+            .init(Init::seeded(1))
+            .build(units, &device)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(errors[0].contains("another model"), "{}", errors[0]);
+    // Ranks whose own initialized values differ (Burn's initializers, unseeded).
+    let errors = on_mesh(2, &ParallelConfig::default(), |mesh| {
+        let units = plain::units::<Cpu>(1, &device);
+        // Reading them makes Burn initialize them, each rank with its own random draw.
+        EngineBuilder::new(&mesh)
+            .build(units, &device)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(
+        errors[0].contains("different initial values"),
+        "{}",
+        errors[0]
+    );
+    // Under sequence parallelism, a stem that returns every position: named with the chunk.
+    let sp = ParallelConfig {
+        tensor_parallel_degree: 2,
+        ..Default::default()
+    };
+    let errors = on_mesh(2, &sp, |mesh| {
+        let units = plain::units::<Cpu>(1, &device);
+        // One parameter declared split so that the plan is accepted; the stem is the misuse.
+        let split = |_: UnitId, path: &str| {
+            (path == "out.weight").then_some(smp_burn::tp::Placement::Split { dim: 1 })
+        };
+        let mut engine = match EngineBuilder::new(&mesh)
+            .init(Init::seeded(1))
+            .placements(split)
+            .build(units, &device)
+        {
+            Ok(e) => e,
+            Err(e) => return e.to_string(),
+        };
+        let (x, y) = one_batch();
+        engine
+            .forward_backward(x, y, 1.0, true)
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(
+        errors[0].contains("the stem") && errors[0].contains("chunk_of"),
+        "{}",
+        errors[0]
+    );
 }

@@ -80,10 +80,11 @@ impl<'a> Init<'a> {
 
     /// The values of `full`, an initialized model built with [`crate::tp::TpGroup::single`]
     /// (whole layers), for a model that splits them: each rank slices its own part. Copies
-    /// the full model's values to host memory once.
+    /// the full model's values to host memory once (a lazy parameter is initialized by its own
+    /// initializer first, as Burn does on first use).
     ///
     /// # Errors
-    /// A parameter of `full` that is lazy (never initialized).
+    /// A value that cannot be read as f32.
     pub fn from_full_units<B, S, K, H>(full: &Units<S, K, H>) -> Result<Self, SmpError>
     where
         B: Backend,
@@ -146,13 +147,6 @@ impl<B: Backend> ModuleVisitor<B> for HostValues<'_> {
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let path = self.path.join(".");
-        if !param.is_initialized() {
-            self.error.get_or_insert(SmpError::Usage(format!(
-                "Init::from_full_units: {path} in {} is lazy; initialize the full model first",
-                self.unit.prefix()
-            )));
-            return;
-        }
         let value = param.val();
         let shape = value.dims().to_vec();
         match value.into_data().convert::<f32>().to_vec::<f32>() {
@@ -381,6 +375,22 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
                  (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding): every rank \
                  would compute alone on its part of each sequence"
             )));
+        }
+        // Layers built for another group than the mesh's would compute on wrong shapes.
+        for (unit, p) in all
+            .iter()
+            .flat_map(|(u, l)| l.params.iter().map(move |p| (u, p)))
+        {
+            if let Some((group, built)) = crate::tp::layer_group(p.id)
+                && group != tp.id()
+                && (built > 1 || degree > 1)
+            {
+                return Err(SmpError::Usage(format!(
+                    "{} belongs to a layer built for a tensor-parallel group of degree {built}, \
+                     but the mesh's degree is {degree}: build the model's layers with mesh.tp()",
+                    name_of(*unit, &p.name)
+                )));
+            }
         }
         let placements: HashMap<ParamId, Placement> =
             first_use.iter().map(|(id, (_, _, p))| (*id, *p)).collect();
@@ -709,8 +719,8 @@ fn check_ranks_agree<IB: Backend>(
         {
             return Err(SmpError::Usage(format!(
                 "ranks {q} and {r} hold different initial values for the same parameters \
-                 (initialized with different seeds?): initialize every rank alike, or use \
-                 Init::seeded"
+                 (Burn's initializers draw from each process's own random state): seed every \
+                 rank alike before building the model (Backend::seed), or use Init::seeded"
             )));
         }
     }
@@ -822,14 +832,8 @@ impl<B: Backend> ModuleVisitor<B> for ReadValues<'_> {
             return;
         }
         let path = self.path.join(".");
-        if !param.is_initialized() {
-            self.error = Some(SmpError::Usage(format!(
-                "{path} is lazy (never initialized) and the engine was asked for the units' own \
-                 values: initialize the model, or give an init source (Init::seeded, \
-                 Init::source)"
-            )));
-            return;
-        }
+        // A lazy parameter is initialized here by its own initializer, as Burn would on first
+        // use.
         let value = param.val();
         let lazy = param.lazy_shape().to_vec();
         if value.dims().as_slice() != lazy.as_slice() {

@@ -105,7 +105,7 @@ impl ParallelLinearConfig {
     ) -> Result<ColumnParallelLinear<B>, SmpError> {
         let out = tp.split_len("ColumnParallelLinear: d_output", self.d_output)?;
         let fans = (Some(self.d_input), Some(self.d_output));
-        Ok(ColumnParallelLinear {
+        let layer = ColumnParallelLinear {
             weight: self
                 .initializer
                 .init_with([out, self.d_input], fans.0, fans.1, device),
@@ -113,7 +113,14 @@ impl ParallelLinearConfig {
                 .bias
                 .then(|| self.initializer.init_with([out], fans.0, fans.1, device)),
             tp: tp.clone(),
-        })
+        };
+        super::register_layer(
+            tp,
+            [layer.weight.id]
+                .into_iter()
+                .chain(layer.bias.as_ref().map(|b| b.id)),
+        );
+        Ok(layer)
     }
 
     /// This rank's row-parallel slice: input features split over `tp`.
@@ -127,7 +134,7 @@ impl ParallelLinearConfig {
     ) -> Result<RowParallelLinear<B>, SmpError> {
         let input = tp.split_len("RowParallelLinear: d_input", self.d_input)?;
         let fans = (Some(self.d_input), Some(self.d_output));
-        Ok(RowParallelLinear {
+        let layer = RowParallelLinear {
             weight: self
                 .initializer
                 .init_with([self.d_output, input], fans.0, fans.1, device),
@@ -136,7 +143,14 @@ impl ParallelLinearConfig {
                     .init_with([self.d_output], fans.0, fans.1, device)
             }),
             tp: tp.clone(),
-        })
+        };
+        super::register_layer(
+            tp,
+            [layer.weight.id]
+                .into_iter()
+                .chain(layer.bias.as_ref().map(|b| b.id)),
+        );
+        Ok(layer)
     }
 }
 
@@ -255,10 +269,12 @@ impl VocabParallelEmbeddingConfig {
         device: &B::Device,
     ) -> Result<VocabParallelEmbedding<B>, SmpError> {
         let rows = tp.split_len("VocabParallelEmbedding: vocab", self.vocab)?;
-        Ok(VocabParallelEmbedding {
+        let layer = VocabParallelEmbedding {
             weight: self.initializer.init([rows, self.d_model], device),
             tp: tp.clone(),
-        })
+        };
+        super::register_layer(tp, [layer.weight.id]);
+        Ok(layer)
     }
 }
 

@@ -227,6 +227,28 @@ pub struct TpGroup {
 /// Ids of groups made by meshes (0 is [`TpGroup::single`]).
 static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
 
+/// The group each tensor-parallel layer's parameters were built for, by parameter id, so that
+/// the engine can refuse a model whose layers were built with another group than its mesh's
+/// before it runs (a layer split for the wrong degree computes on wrong shapes).
+static LAYER_GROUPS: Mutex<Option<std::collections::HashMap<burn::module::ParamId, (u64, usize)>>> =
+    Mutex::new(None);
+
+/// Records that the parameters `ids` belong to a layer built for `tp`.
+pub(crate) fn register_layer(tp: &TpGroup, ids: impl IntoIterator<Item = burn::module::ParamId>) {
+    let mut map = LAYER_GROUPS.lock().unwrap_or_else(|p| p.into_inner());
+    let map = map.get_or_insert_with(Default::default);
+    for id in ids {
+        map.insert(id, (tp.id, tp.degree()));
+    }
+}
+
+/// The group id and degree the layer holding parameter `id` was built for, if it is a
+/// tensor-parallel layer's.
+pub(crate) fn layer_group(id: burn::module::ParamId) -> Option<(u64, usize)> {
+    let map = LAYER_GROUPS.lock().unwrap_or_else(|p| p.into_inner());
+    map.as_ref()?.get(&id).copied()
+}
+
 thread_local! {
     /// The group of the engine that is running a unit on this thread (see [`TpGroup::check`]).
     static ACTIVE: std::cell::Cell<Option<(u64, usize)>> = const { std::cell::Cell::new(None) };
@@ -249,6 +271,11 @@ impl TpGroup {
         let id = NEXT_GROUP.fetch_add(1, Ordering::Relaxed);
         let inner = (ctx.degree() > 1).then(|| Arc::new(ctx) as Arc<dyn ErasedTp>);
         Self { inner, id }
+    }
+
+    /// The id of the mesh that made the group (0: [`TpGroup::single`]).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// Ranks each split layer is divided across (1: nothing is split).
