@@ -26,7 +26,7 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_ndarray::NdArray;
 use collectives::{CommOptions, Communicator, run_on_threads};
-use model::{Block, GptConfig, Head, Stem, gpt_units};
+use model::{Block, GptConfig, GptUnits, Head, Stem, gpt_units};
 use smp_burn::ParallelConfig;
 use smp_burn::engine::{
     BlockUnit, Cx, EngineBuilder, Group, HeadUnit, Init, StateKind, StemUnit, UnitId, Units,
@@ -139,7 +139,7 @@ fn assert_matches(reference: &Run, got: &Run, what: &str) {
 
 /// Every parameter of plain units by the engine's default names (`stem.wte.weight`, ...),
 /// tied ones once.
-fn named(units: &Units<Stem<Cpu>, Block<Cpu>, Head<Cpu>>) -> Vec<(String, Vec<f32>)> {
+fn named(units: &GptUnits<Cpu>) -> Vec<(String, Vec<f32>)> {
     struct Collect {
         prefix: String,
         path: Vec<String>,
@@ -186,7 +186,7 @@ fn decay_all(_: &smp_burn::engine::ParamInfo<'_>) -> Group {
 }
 
 /// The model's initial values as plain Burn modules: a one-rank engine's, gathered.
-fn initial_units(cfg: GptConfig) -> Units<Stem<Cpu>, Block<Cpu>, Head<Cpu>> {
+fn initial_units(cfg: GptConfig) -> GptUnits<Cpu> {
     let mesh = Mesh::over_host(single(), &ParallelConfig::default()).unwrap();
     let device = Default::default();
     let units = gpt_units::<Cpu>(&cfg, mesh.tp(), &device).unwrap();
@@ -337,6 +337,12 @@ fn engine_run(
             .map(|(name, _, v)| (name, v))
             .collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
+        let total: usize = params.iter().map(|(_, v)| v.len()).sum();
+        assert_eq!(
+            total,
+            cfg.num_parameters(),
+            "gathered parameters, tied ones once"
+        );
         Run { losses, params }
     })
 }

@@ -117,6 +117,9 @@ fn train<B: AutodiffBackend>(
         d_model: args.d_model,
         tie_embeddings: true,
     };
+    if mesh.rank() == 0 {
+        println!("{} parameters", config.num_parameters());
+    }
     // --- the parallel setup ---
     let units = gpt_units::<B>(&config, mesh.tp(), device)?;
     let mut engine = EngineBuilder::new(&mesh)

@@ -150,6 +150,9 @@ impl<B: Backend> HeadUnit<B> for Head<B> {
     }
 }
 
+/// The model as the engine's units.
+pub type GptUnits<B> = Units<Stem<B>, Block<B>, Head<B>>;
+
 /// The model as units, each rank's layers holding its slices for `tp` (lazy: nothing is
 /// allocated until the engine or a forward reads a parameter).
 ///
@@ -159,7 +162,7 @@ pub fn gpt_units<B: Backend>(
     c: &GptConfig,
     tp: &TpGroup,
     device: &B::Device,
-) -> Result<Units<Stem<B>, Block<B>, Head<B>>, SmpError> {
+) -> Result<GptUnits<B>, SmpError> {
     let d = c.d_model;
     let heads = tp.split_len("heads", c.heads)?;
     let stem = Stem {

@@ -29,6 +29,11 @@ pub mod optim;
 pub mod readback;
 pub mod tp;
 
+/// The guide's complete program runs as a doc test, so the guide cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/guide.md")]
+pub struct GuideProgram;
+
 pub use comm::{HostTensorComm, PendingCollective, PendingGather, TensorComm};
 pub use config::{ActivationCheckpointing, ParallelConfig, ParallelDims, Precision};
 pub use error::SmpError;

@@ -92,7 +92,7 @@ impl<'a> Init<'a> {
         K: Module<B>,
         H: Module<B>,
     {
-        let mut values: HashMap<(UnitId, String), (Vec<usize>, Vec<f32>)> = HashMap::new();
+        let mut values: HostParams = HashMap::new();
         let mut add = |unit: UnitId, m: &dyn Fn(&mut HostValues<'_>)| -> Result<(), SmpError> {
             let mut v = HostValues {
                 unit,
@@ -130,11 +130,20 @@ impl<'a> Init<'a> {
     }
 }
 
+/// Host copies of parameters, keyed by unit and path: shape and values.
+type HostParams = HashMap<(UnitId, String), (Vec<usize>, Vec<f32>)>;
+/// Chooses a parameter's optimizer group.
+type GroupRule<'a> = Box<dyn Fn(&ParamInfo<'_>) -> Group + 'a>;
+/// Names a parameter for checkpoints and plans.
+type NameRule<'a> = Box<dyn Fn(UnitId, &str) -> String + 'a>;
+/// Overrides how a parameter is split across tensor-parallel ranks.
+type PlacementRule<'a> = Box<dyn Fn(UnitId, &str) -> Option<Placement> + 'a>;
+
 /// Collects every float parameter's values on the host.
 struct HostValues<'a> {
     unit: UnitId,
     path: Vec<String>,
-    out: &'a mut HashMap<(UnitId, String), (Vec<usize>, Vec<f32>)>,
+    out: &'a mut HostParams,
     error: Option<SmpError>,
 }
 
@@ -187,11 +196,11 @@ pub struct Tied<B: Backend> {
 pub struct EngineBuilder<'a, IB: Backend> {
     mesh: &'a Mesh<IB>,
     init: Init<'a>,
-    groups: Option<Box<dyn Fn(&ParamInfo<'_>) -> Group + 'a>>,
+    groups: Option<GroupRule<'a>>,
     optimizer: Optimizer<IB>,
     max_grad_norm: Option<f64>,
-    names: Option<Box<dyn Fn(UnitId, &str) -> String + 'a>>,
-    placements: Option<Box<dyn Fn(UnitId, &str) -> Option<Placement> + 'a>>,
+    names: Option<NameRule<'a>>,
+    placements: Option<PlacementRule<'a>>,
 }
 
 impl<IB: Backend> std::fmt::Debug for EngineBuilder<'_, IB> {
