@@ -17,7 +17,7 @@ use std::sync::Arc;
 use burn::backend::{Autodiff, NdArray};
 use clap::Parser;
 use collectives::{CommOptions, Communicator, RendezvousConfig, run_on_threads};
-use llama::train::{self, H100_PEAK_FLOPS, Prepared, Summary, TrainConfig};
+use llama::train::{self, Prepared, Summary, TrainConfig};
 use smp_burn::mesh::Mesh;
 use smp_burn::{ParallelDims, Precision};
 
@@ -253,6 +253,7 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
 /// How many decoder layers to recompute so that the run fits one GPU
 /// (`LlamaConfig::layers_to_recompute`, from the memory estimate); all of them when the device
 /// cannot be asked.
+#[cfg(feature = "cuda")]
 fn layers_to_recompute(config: &TrainConfig, dims: &ParallelDims) -> Result<usize, DynError> {
     let model = train::model_config(config, 1)?;
     let layers = model.num_hidden_layers;
@@ -298,6 +299,7 @@ fn run_cpu_rank(world: Arc<dyn Communicator>, prepared: &Prepared) -> Result<Sum
     )?)
 }
 
+#[cfg(feature = "cuda")]
 fn run_cuda_rank(
     world: Arc<dyn Communicator>,
     prepared: &Prepared,
@@ -310,20 +312,90 @@ fn run_cuda_rank(
     let mesh = smp_burn::cuda::nccl_mesh::<Inner>(world, &prepared.config.parallel, gpu)?;
     // Device-wide memory in use (the driver's view, so it includes CubeCL's pools and caches);
     // Burn 0.21 exposes no peak-allocation counter.
-    let ctx =
-        cudarc::driver::CudaContext::new(gpu).map_err(|e| format!("CUDA device {gpu}: {e:?}"))?;
-    let memory = move || {
-        ctx.bind_to_thread().ok()?;
-        let (free, total) = cudarc::driver::result::mem_get_info().ok()?;
-        Some((total - free) as u64)
-    };
+    let memory = smp_burn::cuda::memory_in_use(gpu)?;
     Ok(train::train_rank::<B>(
         prepared,
         mesh,
         &device,
-        Some(H100_PEAK_FLOPS),
+        Some(train::H100_PEAK_FLOPS),
         &memory,
     )?)
+}
+
+/// Recomputes as few layers as fit the GPU, unless the command line or a config file chose.
+#[cfg(feature = "cuda")]
+fn fit_to_gpu(
+    cli: &Cli,
+    mut config: TrainConfig,
+    dims: &ParallelDims,
+) -> Result<TrainConfig, DynError> {
+    if cli.activation_checkpointing.is_none()
+        && cli.checkpointed_layers.is_none()
+        && cli.config.is_none()
+    {
+        let recomputed = layers_to_recompute(&config, dims)?;
+        config.parallel.activation_checkpointing = recomputed > 0;
+        config.parallel.checkpointed_layers = Some(recomputed);
+        if recomputed == 0 && config.parallel.activation_offloading {
+            // Offloading moves what recomputed layers keep; with none there is nothing to move.
+            tracing::info!(
+                "activation offloading: off, since no layer needs recomputing to fit the GPU \
+                 (--checkpointed-layers N recomputes and offloads N layers anyway)"
+            );
+            config.parallel.activation_offloading = false;
+        }
+    }
+    Ok(config)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fit_to_gpu(_: &Cli, config: TrainConfig, _: &ParallelDims) -> Result<TrainConfig, DynError> {
+    Ok(config)
+}
+
+/// Without the `cuda` feature there is no CUDA rank to run (`run` refuses `--device cuda`
+/// before any rank starts).
+#[cfg(not(feature = "cuda"))]
+fn run_cuda_rank(_: Arc<dyn Communicator>, _: &Prepared, _: usize) -> Result<Summary, DynError> {
+    Err(NO_CUDA.into())
+}
+
+/// What `--device cuda` says in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA: &str = "--device cuda: this binary was built without the `cuda` feature \
+                       (default-features = false); rebuild with it";
+
+/// The GPUs this process can use, after setting up the kernel cache and logging what runs.
+#[cfg(feature = "cuda")]
+fn cuda_setup(cli: &Cli, config: &TrainConfig) -> Result<usize, DynError> {
+    let gpus = smp_burn::cuda::cuda_device_count();
+    if gpus == 0 {
+        return Err("--device cuda: no CUDA device found (is the NVIDIA driver loaded?)".into());
+    }
+    match smp_burn::cuda::configure_kernel_cache() {
+        Ok(dir) => tracing::info!(
+            "CUDA kernels are compiled on first use (a minute or more on a fresh machine, \
+             the first step waits for it); cached in {}",
+            dir.display()
+        ),
+        Err(file) => tracing::info!("CubeCL configuration from {}", file.display()),
+    }
+    if cli.deterministic {
+        smp_burn::cuda::flash::set_deterministic(Some(true));
+    }
+    tracing::info!("{}", smp_burn::cuda::gemm::gemm_ordering_summary()?);
+    // A Hugging Face checkpoint's head dim is known only once it is read; presets now.
+    if config.init_from_hf.is_none()
+        && let Ok(model) = llama::LlamaConfig::preset(&config.model)
+    {
+        tracing::info!("{}", smp_burn::cuda::attention_summary(model.head_dim()));
+    }
+    Ok(gpus)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_setup(_: &Cli, _: &TrainConfig) -> Result<usize, DynError> {
+    Err(NO_CUDA.into())
 }
 
 /// Stops the whole process on a panic in any thread, with a message that says what to do.
@@ -391,34 +463,7 @@ fn run(cli: Cli) -> Result<(), DynError> {
         other => return Err(format!("unknown device '{other}': use cpu or cuda").into()),
     };
     let launched = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
-    let gpus = if cuda {
-        smp_burn::cuda::cuda_device_count()
-    } else {
-        0
-    };
-    if cuda && gpus == 0 {
-        return Err("--device cuda: no CUDA device found (is the NVIDIA driver loaded?)".into());
-    }
-    if cuda {
-        match smp_burn::cuda::configure_kernel_cache() {
-            Ok(dir) => tracing::info!(
-                "CUDA kernels are compiled on first use (a minute or more on a fresh machine, \
-                 the first step waits for it); cached in {}",
-                dir.display()
-            ),
-            Err(file) => tracing::info!("CubeCL configuration from {}", file.display()),
-        }
-        if cli.deterministic {
-            smp_burn::cuda::flash::set_deterministic(Some(true));
-        }
-        tracing::info!("{}", smp_burn::cuda::gemm::gemm_ordering_summary()?);
-        // A Hugging Face checkpoint's head dim is known only once it is read; presets now.
-        if config.init_from_hf.is_none()
-            && let Ok(model) = llama::LlamaConfig::preset(&config.model)
-        {
-            tracing::info!("{}", smp_burn::cuda::attention_summary(model.head_dim()));
-        }
-    }
+    let gpus = if cuda { cuda_setup(&cli, &config)? } else { 0 };
     // Check the layout against the world size before minutes of tokenizing.
     let world = if launched {
         RendezvousConfig::from_env()?.world_size
@@ -426,24 +471,11 @@ fn run(cli: Cli) -> Result<(), DynError> {
         cli.nproc_per_node.unwrap_or(if cuda { gpus } else { 1 })
     };
     let dims = ParallelDims::new(&config.parallel, world)?;
-    let mut config = config;
-    if cuda
-        && cli.activation_checkpointing.is_none()
-        && cli.checkpointed_layers.is_none()
-        && cli.config.is_none()
-    {
-        let recomputed = layers_to_recompute(&config, &dims)?;
-        config.parallel.activation_checkpointing = recomputed > 0;
-        config.parallel.checkpointed_layers = Some(recomputed);
-        if recomputed == 0 && config.parallel.activation_offloading {
-            // Offloading moves what recomputed layers keep; with none there is nothing to move.
-            tracing::info!(
-                "activation offloading: off, since no layer needs recomputing to fit the GPU \
-                 (--checkpointed-layers N recomputes and offloads N layers anyway)"
-            );
-            config.parallel.activation_offloading = false;
-        }
-    }
+    let config = if cuda {
+        fit_to_gpu(&cli, config, &dims)?
+    } else {
+        config
+    };
     // The model's shape is known before the tokenizer except for the vocabulary, which
     // tensor parallelism does not split.
     train::check_tensor_parallel(&config, &train::model_config(&config, 1)?)?;

@@ -182,8 +182,14 @@ fn main() {
                 let mesh = Mesh::over_host(world, &parallel_config(&args, Precision::F32))?;
                 train::<Autodiff<NdArray<f32>>>(&args, mesh, &Default::default(), &text)
             }
+            #[cfg(feature = "cuda")]
             ("cuda", "cube") => cuda::<smp_burn::cuda::CudaCube>(&args, world, rank, &text),
+            #[cfg(feature = "cuda")]
             ("cuda", "fusion") => cuda::<burn::backend::Cuda>(&args, world, rank, &text),
+            #[cfg(not(feature = "cuda"))]
+            ("cuda", _) => Err(smp_burn::SmpError::Usage(format!(
+                "--device cuda (rank {rank}): this binary was built without the `cuda` feature"
+            ))),
             (d, b) => Err(smp_burn::SmpError::Usage(format!(
                 "--device {d} --backend {b}: use --device cpu, or --device cuda with --backend \
                  cube or fusion"
@@ -212,6 +218,7 @@ fn main() {
 }
 
 /// One GPU rank on backend `IB` (with autodiff on top), NCCL between ranks.
+#[cfg(feature = "cuda")]
 fn cuda<IB: smp_burn::cuda::CudaTensors>(
     args: &Args,
     world: Arc<dyn Communicator>,

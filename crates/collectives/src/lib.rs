@@ -31,6 +31,7 @@ mod dtype;
 mod error;
 mod mailbox;
 mod mesh;
+#[cfg(feature = "nccl")]
 pub mod nccl;
 mod rendezvous;
 mod store;

@@ -186,10 +186,11 @@ impl LlamaConfig {
         // next gather.
         let grad_bytes = if shard_degree <= 1 { 2 } else { 4 };
         let state = self.num_parameters() as u64 * (12 + grad_bytes + 2) / ranks;
-        // The largest unit (a layer, or the embedding / head) gathered in bf16 with its bf16
-        // gradients and their f32 flat buffer while it runs.
+        // The largest unit (a layer, or the embedding / head, both split over the vocabulary
+        // with tensor parallelism) gathered in bf16 with its bf16 gradients and their f32 flat
+        // buffer while it runs.
         let largest_unit = (self.block_parameters() as u64 / tp.max(1) as u64)
-            .max((self.vocab_size * self.hidden_size) as u64);
+            .max((self.vocab_size * self.hidden_size / tp.max(1)) as u64);
         let transient = largest_unit * 12;
         // bf16 tensors a layer keeps for its backward: the inputs of its linears, q/k/v and the
         // attention output, the norms' inputs, the MLP's gate/up outputs, split along the

@@ -683,6 +683,7 @@ impl PendingStep {
         let first = |v: Vec<f32>| v.first().copied().map_or(f64::NAN, f64::from);
         let loss = first(self.loss.wait()?);
         let grad_norm = first(self.grad_norm.wait()?);
+        #[cfg(feature = "cuda")]
         smp_burn::cuda::gemm::async_error()?;
         Ok(StepReport {
             step: self.step,

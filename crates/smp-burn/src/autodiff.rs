@@ -20,7 +20,6 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_ndarray::NdArray;
 
-use crate::cuda::CudaCube;
 use crate::fast::same;
 
 /// Hands the gradient kept in its state to its only parent, ignoring the seed it receives.
@@ -90,8 +89,12 @@ pub fn backward_from<B: AutodiffBackend, const D: usize>(
         let grads: Gradients = seeded::<I, D>(same(output), same(grad)).backward();
         Ok(same(grads))
     }
-    on::<B, CudaCube, D>(output, grad)
-        .or_else(|(output, grad)| on::<B, NdArray<f32>, D>(output, grad))
+    #[cfg(feature = "cuda")]
+    let (output, grad) = match on::<B, crate::cuda::CudaCube, D>(output, grad) {
+        Ok(grads) => return grads,
+        Err(back) => back,
+    };
+    on::<B, NdArray<f32>, D>(output, grad)
         .unwrap_or_else(|(output, grad)| (output * Tensor::from_inner(grad)).sum().backward())
 }
 

@@ -15,6 +15,7 @@
 pub mod autodiff;
 pub mod comm;
 pub mod config;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;
 pub mod error;

@@ -19,14 +19,14 @@
 //! recomputed, measured). On other backends the tensor's data is copied into host memory at
 //! once, which on a CPU backend exercises the same code path for tests.
 
-use std::any::TypeId;
+use burn::tensor::{DType, Shape, Tensor, TensorData, backend::Backend};
 
-use burn::tensor::{DType, Shape, Tensor, TensorData, TensorPrimitive, backend::Backend};
-use burn_cubecl::kernel::into_contiguous;
-
-use crate::cuda::CudaCube;
+#[cfg(feature = "cuda")]
+use crate::cuda::{
+    CudaCube,
+    transfer::{BytesFuture, queue_cuda_read, queue_cuda_upload, wait_cuda_read},
+};
 use crate::error::SmpError;
-use crate::readback::{BytesFuture, queue_cuda_read, queue_cuda_upload, wait_cuda_read};
 
 /// A tensor's values on their way to host memory, in host memory, or (after
 /// [`HostActivation::reload`]) back on the device.
@@ -39,20 +39,27 @@ pub struct HostActivation<B: Backend, const D: usize> {
 
 enum State {
     /// The CUDA copy is queued; its future holds the device buffer until it is waited for.
+    #[cfg(feature = "cuda")]
     Copying(BytesFuture),
     /// The values are in (pinned) host memory, to go back to the CUDA device they came from.
+    #[cfg(feature = "cuda")]
     CudaHost(cubecl::bytes::Bytes),
     /// The values are in host memory (backends other than CUDA).
     Host(TensorData),
     /// Placeholder while the state moves (never observed outside a method).
+    #[cfg(feature = "cuda")]
     Moved,
 }
 
 impl<B: Backend, const D: usize> std::fmt::Debug for HostActivation<B, D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match self.state {
+            #[cfg(feature = "cuda")]
             State::Copying(..) => "copy queued",
-            State::CudaHost(..) | State::Host(_) => "in host memory",
+            #[cfg(feature = "cuda")]
+            State::CudaHost(..) => "in host memory",
+            State::Host(_) => "in host memory",
+            #[cfg(feature = "cuda")]
             State::Moved => "moved",
         };
         f.debug_struct("HostActivation")
@@ -75,14 +82,17 @@ pub fn offload<B: Backend, const D: usize>(
     let shape = t.shape();
     let dtype = t.dtype();
     let device = t.device();
-    let state = if TypeId::of::<B>() == TypeId::of::<CudaCube>() {
+    #[cfg(feature = "cuda")]
+    let state = if std::any::TypeId::of::<B>() == std::any::TypeId::of::<CudaCube>() {
         let t: Tensor<CudaCube, D> = crate::fast::same(t);
-        let prim = into_contiguous(t.into_primitive().tensor());
+        let prim = burn_cubecl::kernel::into_contiguous(t.into_primitive().tensor());
         let bytes = prim.meta.num_elements() * dtype.size();
         State::Copying(queue_cuda_read(prim, bytes)?)
     } else {
         State::Host(t.into_data())
     };
+    #[cfg(not(feature = "cuda"))]
+    let state = State::Host(t.into_data());
     Ok(HostActivation {
         state,
         shape,
@@ -98,6 +108,7 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
     /// # Errors
     /// If the device reports a failure of the copy or of the work before it.
     pub fn settle(&mut self) -> Result<(), SmpError> {
+        #[cfg(feature = "cuda")]
         if let State::Copying(..) = self.state {
             let State::Copying(fut) = std::mem::replace(&mut self.state, State::Moved) else {
                 unreachable!("matched above")
@@ -119,8 +130,14 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
     }
 
     /// Whether the values are in host memory (the copy has been waited for).
+    #[cfg_attr(not(feature = "cuda"), allow(unreachable_patterns))]
     pub fn is_on_host(&self) -> bool {
-        matches!(self.state, State::CudaHost(..) | State::Host(_))
+        match self.state {
+            #[cfg(feature = "cuda")]
+            State::CudaHost(..) => true,
+            State::Host(_) => true,
+            _ => false,
+        }
     }
 
     /// Size of the values in bytes.
@@ -132,20 +149,22 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
     ///
     /// # Errors
     /// As [`HostActivation::settle`].
+    #[cfg_attr(not(feature = "cuda"), allow(unreachable_patterns))]
     pub fn reload(mut self) -> Result<Tensor<B, D>, SmpError> {
         self.settle()?;
         match self.state {
+            #[cfg(feature = "cuda")]
             State::CudaHost(bytes) => {
                 // `CudaHost` exists only when `B` is `CudaCube`.
                 let device: burn::tensor::Device<CudaCube> = crate::fast::same(self.device);
                 let prim = queue_cuda_upload(&device, bytes, self.shape, self.dtype);
-                let t = Tensor::<CudaCube, D>::from_primitive(TensorPrimitive::Float(prim));
+                let t = Tensor::<CudaCube, D>::from_primitive(
+                    burn::tensor::TensorPrimitive::Float(prim),
+                );
                 Ok(crate::fast::same(t))
             }
             State::Host(data) => Ok(Tensor::from_data(data, (&self.device, self.dtype))),
-            State::Copying(..) | State::Moved => {
-                unreachable!("settle leaves the values in host memory")
-            }
+            _ => unreachable!("settle leaves the values in host memory"),
         }
     }
 }

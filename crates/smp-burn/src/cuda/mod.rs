@@ -26,6 +26,7 @@ pub mod flat;
 pub mod fused;
 pub mod gemm;
 mod kernel_cache;
+pub(crate) mod transfer;
 mod wgmma;
 pub mod xent;
 pub use kernel_cache::{
@@ -169,6 +170,21 @@ pub fn cuda_device_memory(index: usize) -> Option<u64> {
     unsafe { cudarc::driver::result::device::total_mem(dev) }
         .ok()
         .map(|b| b as u64)
+}
+
+/// A probe of the memory in use on CUDA device `gpu`, in bytes: the driver's view (total minus
+/// free), so it counts CubeCL's pools and caches and every other process on the device. Burn
+/// 0.21 exposes no peak-allocation counter. The probe returns `None` if the driver call fails.
+///
+/// # Errors
+/// If the device's context cannot be created.
+pub fn memory_in_use(gpu: usize) -> Result<impl Fn() -> Option<u64> + Send + Sync, SmpError> {
+    let ctx = CudaContext::new(gpu).map_err(|e| cuda_err(&format!("CUDA device {gpu}"), e))?;
+    Ok(move || {
+        ctx.bind_to_thread().ok()?;
+        let (free, total) = cudarc::driver::result::mem_get_info().ok()?;
+        Some((total - free) as u64)
+    })
 }
 
 fn cuda_err(what: &str, e: impl std::fmt::Debug) -> SmpError {
