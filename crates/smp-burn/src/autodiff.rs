@@ -90,7 +90,9 @@ pub fn backward_from<B: AutodiffBackend, const D: usize>(
         Ok(same(grads))
     }
     #[cfg(feature = "cuda")]
-    let (output, grad) = match on::<B, crate::cuda::CudaCube, D>(output, grad) {
+    let (output, grad) = match on::<B, crate::cuda::CudaCube, D>(output, grad)
+        .or_else(|(output, grad)| on::<B, crate::cuda::bridge::FusedCuda, D>(output, grad))
+    {
         Ok(grads) => return grads,
         Err(back) => back,
     };

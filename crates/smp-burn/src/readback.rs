@@ -51,9 +51,8 @@ impl std::fmt::Debug for PendingRead {
 pub fn read_later<B: Backend>(t: Tensor<B, 1>) -> Result<PendingRead, SmpError> {
     let t = t.cast(DType::F32);
     #[cfg(feature = "cuda")]
-    if std::any::TypeId::of::<B>() == std::any::TypeId::of::<crate::cuda::CudaCube>() {
-        let t: Tensor<crate::cuda::CudaCube, 1> = crate::fast::same(t);
-        let prim = burn_cubecl::kernel::into_contiguous(t.into_primitive().tensor());
+    if let Some(prim) = cuda_buffer(&t) {
+        let prim = burn_cubecl::kernel::into_contiguous(prim);
         let len = prim.meta.num_elements();
         return Ok(PendingRead {
             inner: Inner::Cuda(queue_cuda_read(prim, len * 4)?, len),
@@ -68,6 +67,21 @@ pub fn read_later<B: Backend>(t: Tensor<B, 1>) -> Result<PendingRead, SmpError> 
     Ok(PendingRead {
         inner: Inner::Deferred(Box::new(read)),
     })
+}
+
+/// The CubeCL buffer behind `t` on a backend whose tensors are CUDA buffers; under fusion
+/// this drains fusion's queue up to `t` (on the host: no device wait).
+#[cfg(feature = "cuda")]
+fn cuda_buffer<B: Backend>(t: &Tensor<B, 1>) -> Option<crate::cuda::bridge::Cube> {
+    use crate::cuda::CudaTensors;
+    use crate::cuda::bridge::{FusedCuda, Served, served};
+    use crate::fast::same;
+    let prim = t.clone().into_primitive().tensor();
+    match served::<B>() {
+        Some(Served::Cube) => Some(same(prim)),
+        Some(Served::Fused) => Some(FusedCuda::cube_primitive(same(prim))),
+        _ => None,
+    }
 }
 
 impl PendingRead {

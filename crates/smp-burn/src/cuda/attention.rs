@@ -9,15 +9,13 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::tensor::{DType, Tensor, TensorPrimitive};
-use burn_cubecl::tensor::CubeTensor;
-use cubecl::cuda::CudaRuntime;
+use std::sync::Arc;
 
-use super::CudaCube;
+use burn::backend::Autodiff;
+use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+
+use super::bridge::{Arg, Cube, CubeFn, CubeInner};
 use super::flash::{flash_backward, flash_forward};
-use super::gemm::CudaAutodiff;
-
-type Cube = CubeTensor<CudaRuntime>;
 
 /// Whether the flash kernels take these inputs: half-precision floats, head dim 64 or 128,
 /// equal query and key lengths, whole groups of query heads per key/value head.
@@ -38,9 +36,44 @@ fn scale(head_dim: usize) -> f32 {
 #[derive(Debug)]
 struct FlashAttentionBackward;
 
-impl Backward<CudaCube, 3> for FlashAttentionBackward {
-    /// q, k, v, output, log-sum-exp, scale.
-    type State = (Cube, Cube, Cube, Cube, Cube, f32);
+/// The per-row log-sum-exp the forward keeps for the backward (f32).
+fn lse_shape(batch: usize, heads: usize, seq: usize) -> Shape {
+    Shape::new([batch, heads, seq])
+}
+
+/// The forward on backend `I`: the output and the per-row log-sum-exp.
+fn forward_on<I: CubeInner>(
+    q: I::FloatTensorPrimitive,
+    k: I::FloatTensorPrimitive,
+    v: I::FloatTensorPrimitive,
+    scale: f32,
+) -> (I::FloatTensorPrimitive, I::FloatTensorPrimitive) {
+    use burn::tensor::TensorMetadata;
+    let shape = q.shape();
+    let dtype = q.dtype();
+    let [b, h, s] = [shape[0], shape[1], shape[2]];
+    let outputs = vec![(shape, dtype), (lse_shape(b, h, s), DType::F32)];
+    let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
+        let [q, k, v]: [Cube; 3] = inputs.try_into().expect("q, k, v");
+        let (o, lse) = flash_forward(q, k, v, scale);
+        vec![o, lse]
+    });
+    let args = vec![Arg::Float(q), Arg::Float(k), Arg::Float(v)];
+    let [o, lse]: [I::FloatTensorPrimitive; 2] = I::run("smp_burn.flash_forward", args, outputs, f)
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("two outputs declared"));
+    (o, lse)
+}
+
+impl<I: CubeInner> Backward<I, 3> for FlashAttentionBackward {
+    type State = (
+        I::FloatTensorPrimitive,
+        I::FloatTensorPrimitive,
+        I::FloatTensorPrimitive,
+        I::FloatTensorPrimitive,
+        I::FloatTensorPrimitive,
+        f32,
+    );
 
     fn backward(
         self,
@@ -48,25 +81,37 @@ impl Backward<CudaCube, 3> for FlashAttentionBackward {
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
+        use burn::tensor::TensorMetadata;
         let [node_q, node_k, node_v] = ops.parents;
-        let d_o = grads.consume::<CudaCube>(&ops.node);
+        let d_o = grads.consume::<I>(&ops.node);
         let (q, k, v, o, lse, scale) = ops.state;
-        let (dq, dk, dv) = flash_backward(q, k, v, o, lse, d_o, scale);
-        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+        let outputs = vec![
+            (q.shape(), q.dtype()),
+            (k.shape(), k.dtype()),
+            (v.shape(), v.dtype()),
+        ];
+        let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
+            let [q, k, v, o, lse, d_o]: [Cube; 6] = inputs.try_into().expect("six inputs");
+            let (dq, dk, dv) = flash_backward(q, k, v, o, lse, d_o, scale);
+            vec![dq, dk, dv]
+        });
+        let args = [q, k, v, o, lse, d_o].into_iter().map(Arg::Float).collect();
+        let grads_qkv = I::run("smp_burn.flash_backward", args, outputs, f);
+        for (node, grad) in [node_q, node_k, node_v].into_iter().zip(grads_qkv) {
             if let Some(node) = node {
-                grads.register::<CudaCube>(node.id, grad);
+                grads.register::<I>(node.id, grad);
             }
         }
     }
 }
 
-/// Causal attention `softmax(q k^T / sqrt(d)) v` with grouped-query heads, through the flash
-/// kernels; differentiable in q, k and v. Shapes as `ops::causal_attention`.
-pub fn causal_attention_autodiff(
-    q: Tensor<CudaAutodiff, 4>,
-    k: Tensor<CudaAutodiff, 4>,
-    v: Tensor<CudaAutodiff, 4>,
-) -> Tensor<CudaAutodiff, 4> {
+/// Causal grouped-query attention (`q: [batch, heads, seq, head_dim]`, `k`/`v` with
+/// `kv_heads` heads) through the flash kernels on an autodiff CUDA backend.
+pub fn causal_attention_autodiff<I: CubeInner>(
+    q: Tensor<Autodiff<I>, 4>,
+    k: Tensor<Autodiff<I>, 4>,
+    v: Tensor<Autodiff<I>, 4>,
+) -> Tensor<Autodiff<I>, 4> {
     let s = scale(q.dims()[3]);
     let (q, k, v) = (
         q.into_primitive().tensor(),
@@ -79,7 +124,7 @@ pub fn causal_attention_autodiff(
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let (o, lse) = flash_forward(
+            let (o, lse) = forward_on::<I>(
                 q.primitive.clone(),
                 k.primitive.clone(),
                 v.primitive.clone(),
@@ -91,20 +136,21 @@ pub fn causal_attention_autodiff(
             )
         }
         OpsKind::UnTracked(prep) => {
-            prep.finish(flash_forward(q.primitive, k.primitive, v.primitive, s).0)
+            prep.finish(forward_on::<I>(q.primitive, k.primitive, v.primitive, s).0)
         }
     };
     Tensor::from_primitive(TensorPrimitive::Float(out))
 }
 
-/// [`causal_attention_autodiff`]'s forward on the plain backend (evaluation, sampling).
-pub fn causal_attention_plain(
-    q: Tensor<CudaCube, 4>,
-    k: Tensor<CudaCube, 4>,
-    v: Tensor<CudaCube, 4>,
-) -> Tensor<CudaCube, 4> {
+/// Causal grouped-query attention through the flash kernels on a plain CUDA backend
+/// (evaluation, sampling).
+pub fn causal_attention_plain<I: CubeInner>(
+    q: Tensor<I, 4>,
+    k: Tensor<I, 4>,
+    v: Tensor<I, 4>,
+) -> Tensor<I, 4> {
     let s = scale(q.dims()[3]);
-    let (o, _) = flash_forward(
+    let (o, _) = forward_on::<I>(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),
         v.into_primitive().tensor(),

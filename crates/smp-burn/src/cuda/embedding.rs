@@ -8,6 +8,9 @@
 //! rows of every later occurrence in token order in f32 and writes the row once, so the
 //! result does not depend on scheduling (no atomics) and rounds once.
 
+use std::sync::Arc;
+
+use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
@@ -16,15 +19,11 @@ use burn::tensor::ops::ModuleOps;
 use burn::tensor::{DType, Int, Shape, Tensor as BurnTensor, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::reshape;
-use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 
-use super::CudaCube;
-use super::gemm::CudaAutodiff;
+use super::bridge::{Arg, Cube, CubeFn, CubeInner};
 use super::xent::vector_width;
-
-type Cube = CubeTensor<CudaRuntime>;
 
 /// Threads per cube: one cube per token, a thread per vector of the row (a 2,048-wide bf16
 /// row is 256 vectors of 8).
@@ -147,9 +146,9 @@ pub fn embedding_grad(dy: Cube, ids: Cube, vocab: usize) -> Cube {
 #[derive(Debug)]
 struct EmbeddingBackward;
 
-impl Backward<CudaCube, 1> for EmbeddingBackward {
+impl<I: CubeInner> Backward<I, 1> for EmbeddingBackward {
     /// The ids (`[batch, seq]`) and the table's row count.
-    type State = (Cube, usize);
+    type State = (I::IntTensorPrimitive, usize);
 
     fn backward(
         self,
@@ -157,40 +156,47 @@ impl Backward<CudaCube, 1> for EmbeddingBackward {
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
+        use burn::tensor::TensorMetadata;
         let [node_w] = ops.parents;
-        let dy = grads.consume::<CudaCube>(&ops.node);
+        let dy = grads.consume::<I>(&ops.node);
         let Some(node) = node_w else { return };
         let (ids, vocab) = ops.state;
-        let dim = dy.meta.shape()[2];
-        let tokens = ids.meta.num_elements();
-        let dy = reshape(into_contiguous(dy), Shape::new([tokens, dim]));
-        let ids = reshape(into_contiguous(ids), Shape::new([tokens]));
-        grads.register::<CudaCube>(node.id, embedding_grad(dy, ids, vocab));
+        let (dim, dtype) = (dy.shape()[2], dy.dtype());
+        let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
+            let [dy, ids]: [Cube; 2] = inputs.try_into().expect("dy, ids");
+            let tokens = ids.meta.num_elements();
+            let dy = reshape(into_contiguous(dy), Shape::new([tokens, dim]));
+            let ids = reshape(into_contiguous(ids), Shape::new([tokens]));
+            vec![embedding_grad(dy, ids, vocab)]
+        });
+        let outputs = vec![(Shape::new([vocab, dim]), dtype)];
+        let args = vec![Arg::Float(dy), Arg::Int(ids)];
+        let dw = I::run("smp_burn.embedding_grad", args, outputs, f)
+            .pop()
+            .expect("one output");
+        grads.register::<I>(node.id, dw);
     }
 }
 
-/// `weight[ids]` (`weight: [vocab, dim]`, `ids: [batch, seq]`) on the autodiff CUDA backend,
-/// with [`embedding_grad`] as the weight's gradient. The forward is Burn's gather.
-pub fn embedding_autodiff(
-    weight: BurnTensor<CudaAutodiff, 2>,
-    ids: BurnTensor<CudaAutodiff, 2, Int>,
-) -> BurnTensor<CudaAutodiff, 3> {
+/// `weight[ids]` (`weight: [vocab, dim]`, `ids: [batch, seq]`) on an autodiff CUDA backend,
+/// with [`embedding_grad`] as the weight's gradient. The forward is the backend's gather.
+pub fn embedding_autodiff<I: CubeInner>(
+    weight: BurnTensor<Autodiff<I>, 2>,
+    ids: BurnTensor<Autodiff<I>, 2, Int>,
+) -> BurnTensor<Autodiff<I>, 3> {
     let w = weight.into_primitive().tensor();
-    let ids: Cube = ids.into_primitive();
-    let vocab = w.primitive.meta.shape()[0];
+    let ids: I::IntTensorPrimitive = ids.into_primitive();
+    let vocab = burn::tensor::TensorMetadata::shape(&w.primitive)[0];
     let out = match EmbeddingBackward
         .prepare::<NoCheckpointing>([w.node.clone()])
         .compute_bound()
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let y = <CudaCube as ModuleOps<CudaCube>>::embedding(w.primitive, ids.clone());
+            let y = <I as ModuleOps<I>>::embedding(w.primitive, ids.clone());
             prep.finish((ids, vocab), y)
         }
-        OpsKind::UnTracked(prep) => prep.finish(<CudaCube as ModuleOps<CudaCube>>::embedding(
-            w.primitive,
-            ids,
-        )),
+        OpsKind::UnTracked(prep) => prep.finish(<I as ModuleOps<I>>::embedding(w.primitive, ids)),
     };
     BurnTensor::from_primitive(TensorPrimitive::Float(out))
 }

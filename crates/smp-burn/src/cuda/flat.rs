@@ -186,6 +186,32 @@ pub fn pack_with_sq_sums(pieces: Vec<Cube>, total: usize, dtype: DType) -> (Cube
     (flat, sq.expect("asked for"))
 }
 
+/// For pieces of `sizes` elements packed back to back: each piece's (vector width, vectors),
+/// its range of partial sums (one per cube) and the number of partial sums.
+#[allow(clippy::type_complexity)]
+fn piece_plan(sizes: &[usize]) -> (Vec<(usize, usize)>, Vec<Range<usize>>, usize) {
+    let mut offset = 0;
+    let mut shapes = Vec::with_capacity(sizes.len());
+    let mut ranges = Vec::with_capacity(sizes.len());
+    let mut slots = 0;
+    for &n in sizes {
+        let nv = width(n, offset);
+        let cubes = (n / nv).div_ceil(THREADS);
+        shapes.push((nv, n / nv));
+        ranges.push(slots..slots + cubes);
+        slots += cubes;
+        offset += n;
+    }
+    (shapes, ranges, slots)
+}
+
+/// The ranges of partial sums [`pack_with_sq_sums`] gives pieces of `sizes` elements, and
+/// their count (its partials tensor holds at least one element), known before it runs.
+pub fn sq_partial_ranges(sizes: &[usize]) -> (Vec<Range<usize>>, usize) {
+    let (_, ranges, slots) = piece_plan(sizes);
+    (ranges, slots)
+}
+
 fn pack_impl(
     pieces: Vec<Cube>,
     total: usize,
@@ -204,20 +230,8 @@ fn pack_impl(
         "pack: {total} elements are too many for 32-bit indexing"
     );
     let flat = empty_device_contiguous_dtype(client.clone(), device.clone(), [total].into(), dtype);
-    // (vector width, vectors) per piece, and each piece's range of partial sums (one per cube).
-    let mut offset = 0;
-    let mut shapes = Vec::with_capacity(pieces.len());
-    let mut ranges = Vec::with_capacity(pieces.len());
-    let mut slots = 0;
-    for piece in &pieces {
-        let n = piece.meta.num_elements();
-        let nv = width(n, offset);
-        let cubes = (n / nv).div_ceil(THREADS);
-        shapes.push((nv, n / nv));
-        ranges.push(slots..slots + cubes);
-        slots += cubes;
-        offset += n;
-    }
+    let sizes: Vec<usize> = pieces.iter().map(|p| p.meta.num_elements()).collect();
+    let (shapes, ranges, slots) = piece_plan(&sizes);
     // Every slot is written by exactly one cube.
     let partials = with_sq.then(|| {
         empty_device_contiguous_dtype(client.clone(), device, [slots.max(1)].into(), DType::F32)

@@ -37,10 +37,11 @@ use cudarc::driver::sys as ds;
 /// CubeCL's CUDA compute server, the state its device thread owns.
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
+use super::bridge::{Arg, Cube, CubeFn, CubeInner};
 use super::{CudaCube, StreamBridge, cuda_err};
 use crate::error::SmpError;
 
-/// The autodiff backend the fast path serves.
+/// The autodiff backend the fast paths serve without fusion.
 pub type CudaAutodiff = Autodiff<CudaCube>;
 
 struct GemmEngine {
@@ -725,7 +726,76 @@ pub fn linear_backward(
 #[derive(Debug)]
 struct LinearBackward;
 
-impl Backward<CudaCube, 2> for LinearBackward {
+/// The backward GEMMs on backend `I`: `dy`, then `x` and `w` where given, then the buffer `dx`
+/// adds into (plain backend only).
+fn linear_backward_on<I: CubeInner>(
+    dy: I::FloatTensorPrimitive,
+    x: Option<I::FloatTensorPrimitive>,
+    w: Option<I::FloatTensorPrimitive>,
+    x_shape: Shape,
+    dx_into: Option<I::FloatTensorPrimitive>,
+) -> (
+    Option<I::FloatTensorPrimitive>,
+    Option<I::FloatTensorPrimitive>,
+) {
+    use burn::tensor::TensorMetadata;
+    let dtype = dy.dtype();
+    let dy_shape = dy.shape();
+    let n = dy_shape[dy_shape.num_dims() - 1];
+    let k = x_shape[x_shape.num_dims() - 1];
+    let (has_x, has_w, has_acc) = (x.is_some(), w.is_some(), dx_into.is_some());
+    let mut outputs = Vec::new();
+    if has_w {
+        outputs.push((x_shape.clone(), dtype));
+    }
+    if has_x {
+        outputs.push((Shape::new([n, k]), dtype));
+    }
+    let args = [Some(dy), x, w, dx_into]
+        .into_iter()
+        .flatten()
+        .map(Arg::Float)
+        .collect();
+    let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
+        let mut inputs = inputs.into_iter();
+        let dy = inputs.next().expect("dy");
+        let x = has_x.then(|| inputs.next().expect("x"));
+        let w = has_w.then(|| inputs.next().expect("w"));
+        let acc = has_acc.then(|| inputs.next().expect("dx accumulator"));
+        let (dx, dw) = linear_backward(dy, x, w, &x_shape, acc);
+        dx.into_iter().chain(dw).collect()
+    });
+    let mut out = I::run("smp_burn.linear_backward", args, outputs, f).into_iter();
+    let dx = has_w.then(|| out.next().expect("dx"));
+    let dw = has_x.then(|| out.next().expect("dw"));
+    (dx, dw)
+}
+
+/// `x w^T` on backend `I`.
+fn linear_forward_on<I: CubeInner>(
+    x: I::FloatTensorPrimitive,
+    w: I::FloatTensorPrimitive,
+) -> I::FloatTensorPrimitive {
+    use burn::tensor::TensorMetadata;
+    let dtype = x.dtype();
+    let mut dims = x.shape().as_slice().to_vec();
+    *dims.last_mut().expect("input has a dimension") = w.shape()[0];
+    let f: CubeFn = Arc::new(|inputs: Vec<Cube>| {
+        let [x, w]: [Cube; 2] = inputs.try_into().expect("two inputs");
+        vec![linear_forward(x, w)]
+    });
+    let outputs = vec![(Shape::from(dims), dtype)];
+    I::run(
+        "smp_burn.linear",
+        vec![Arg::Float(x), Arg::Float(w)],
+        outputs,
+        f,
+    )
+    .pop()
+    .expect("one output")
+}
+
+impl<I: CubeInner> Backward<I, 2> for LinearBackward {
     /// Checkpointed input (needed for dw), checkpointed weight (needed for dx), input shape.
     type State = (Option<NodeId>, Option<NodeId>, Shape);
 
@@ -735,36 +805,41 @@ impl Backward<CudaCube, 2> for LinearBackward {
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        let dy = grads.consume::<CudaCube>(&ops.node);
+        let dy = grads.consume::<I>(&ops.node);
         let (x_id, w_id) = (ops.state.0, ops.state.1);
-        let x = x_id.map(|id| checkpointer.retrieve_node_output::<CubeTensor<CudaRuntime>>(id));
-        let w = w_id.map(|id| checkpointer.retrieve_node_output::<CubeTensor<CudaRuntime>>(id));
+        let x = x_id.map(|id| checkpointer.retrieve_node_output::<I::FloatTensorPrimitive>(id));
+        let w = w_id.map(|id| checkpointer.retrieve_node_output::<I::FloatTensorPrimitive>(id));
         // `dx` adds into the input's gradient registered so far (the other projections of a
-        // shared input, whose backward ran first) instead of a separate add.
-        let dx_into = w
-            .as_ref()
-            .and_then(|_| super::take_grad_for_accumulation(&ops, 0, grads, &dy, &ops.state.2));
+        // shared input, whose backward ran first) instead of a separate add. On the plain
+        // backend only: under fusion the registered gradient is a lazy tensor of its stream.
+        let dx_into = match (I::as_cube(&dy), &w) {
+            (Some(like), Some(_)) => {
+                super::take_grad_for_accumulation(&ops, 0, grads, like, &ops.state.2)
+                    .map(crate::fast::same::<Cube, I::FloatTensorPrimitive>)
+            }
+            _ => None,
+        };
         let [node_x, node_w] = ops.parents;
         let x_shape = ops.state.2;
-        let (dx, dw) = linear_backward(dy, x, w, &x_shape, dx_into);
+        let (dx, dw) = linear_backward_on::<I>(dy, x, w, x_shape, dx_into);
         if let (Some(node), Some(dx)) = (node_x, dx) {
-            grads.register::<CudaCube>(node.id, dx);
+            grads.register::<I>(node.id, dx);
         }
         if let (Some(node), Some(dw)) = (node_w, dw) {
-            grads.register::<CudaCube>(node.id, dw);
+            grads.register::<I>(node.id, dw);
         }
     }
 }
 
-/// `x w^T` through cuBLAS on the autodiff CUDA backend; differentiable in both operands.
-pub fn linear_autodiff<const D: usize>(
-    x: Tensor<CudaAutodiff, D>,
-    w: Tensor<CudaAutodiff, 2>,
-) -> Tensor<CudaAutodiff, D> {
+/// `x w^T` through cuBLAS on an autodiff CUDA backend; differentiable in both operands.
+pub fn linear_autodiff<I: CubeInner, const D: usize>(
+    x: Tensor<Autodiff<I>, D>,
+    w: Tensor<Autodiff<I>, 2>,
+) -> Tensor<Autodiff<I>, D> {
     let x = x.into_primitive().tensor();
     let w = w.into_primitive().tensor();
     let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
-    let x_shape = x.primitive.meta.shape().clone();
+    let x_shape = burn::tensor::TensorMetadata::shape(&x.primitive);
     let out = match LinearBackward
         .prepare::<NoCheckpointing>([x.node.clone(), w.node.clone()])
         .compute_bound()
@@ -773,21 +848,37 @@ pub fn linear_autodiff<const D: usize>(
         OpsKind::Tracked(mut prep) => {
             let x_state = w_tracked.then(|| prep.checkpoint(&x));
             let w_state = x_tracked.then(|| prep.checkpoint(&w));
-            let y = linear_forward(x.primitive, w.primitive);
+            let y = linear_forward_on::<I>(x.primitive, w.primitive);
             prep.finish((x_state, w_state, x_shape), y)
         }
-        OpsKind::UnTracked(prep) => prep.finish(linear_forward(x.primitive, w.primitive)),
+        OpsKind::UnTracked(prep) => prep.finish(linear_forward_on::<I>(x.primitive, w.primitive)),
     };
     Tensor::from_primitive(TensorPrimitive::Float(out))
 }
 
-/// `x w^T` through cuBLAS on the plain CUDA backend (evaluation, sampling).
-pub fn linear_plain<const D: usize>(
-    x: Tensor<CudaCube, D>,
-    w: Tensor<CudaCube, 2>,
-) -> Tensor<CudaCube, D> {
-    let y = linear_forward(x.into_primitive().tensor(), w.into_primitive().tensor());
+/// `x w^T` through cuBLAS on a plain CUDA backend (evaluation, sampling).
+pub fn linear_plain<I: CubeInner, const D: usize>(
+    x: Tensor<I, D>,
+    w: Tensor<I, 2>,
+) -> Tensor<I, D> {
+    let y = linear_forward_on::<I>(x.into_primitive().tensor(), w.into_primitive().tensor());
     Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+/// The input gradients of a linear layer (`dx = dy w`, `dw = dy^T x`, as requested) in one
+/// ordered batch on a plain CUDA backend (the chunked loss's backward runs on the inner
+/// backend).
+#[allow(clippy::type_complexity)]
+pub fn linear_grads<I: CubeInner>(
+    dy: Tensor<I, 2>,
+    x: Option<Tensor<I, 2>>,
+    w: Option<Tensor<I, 2>>,
+    x_shape: Shape,
+) -> (Option<Tensor<I, 2>>, Option<Tensor<I, 2>>) {
+    let prim = |t: Tensor<I, 2>| t.into_primitive().tensor();
+    let (dx, dw) = linear_backward_on::<I>(prim(dy), x.map(prim), w.map(prim), x_shape, None);
+    let wrap = |t| Tensor::from_primitive(TensorPrimitive::Float(t));
+    (dx.map(wrap), dw.map(wrap))
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod bridge;
 pub mod embedding;
 pub mod flash;
 pub mod flat;

@@ -1,48 +1,62 @@
-//! The dispatch to the CUDA fast paths: each function serves [`CudaCube`] (and, where it has an
-//! autodiff op, `Autodiff<CudaCube>`) and returns `None` (or the inputs back) for any other
-//! backend, which then takes the reference op.
+//! The dispatch to the CUDA fast paths. Each function serves the backends of
+//! [`crate::cuda::bridge::CubeInner`] ([`CudaCube`] and Burn's default `burn::backend::Cuda`,
+//! with or without autodiff) and returns `None` (or the inputs back) for any other backend,
+//! which then takes the reference op. The fused RMSNorm, RoPE and SwiGLU and the in-place
+//! gradient sums serve [`CudaCube`] only: under fusion, Burn's own elementwise fusion takes
+//! those ops, and a registered gradient is a lazy tensor of fusion's stream.
 
 use std::any::TypeId;
+use std::sync::Arc;
 
 use burn::tensor::{DType, Int, Tensor, TensorPrimitive, backend::Backend};
 
 use super::{AdamWState, AdamWUpdate, fast_paths, same};
+use crate::cuda::bridge::{Arg, Cube, CubeFn, CubeInner, FusedCuda, Served, served};
 use crate::cuda::gemm::{self, CudaAutodiff};
 use crate::cuda::{CudaCube, attention, fused};
 
 /// Logs once per backend that the fast paths do not serve it, when its type says it runs on
-/// CUDA (`burn::backend::Cuda`, which adds Burn's fusion layer, or CubeCL with other element
-/// types): such a user expects the fast paths and would otherwise get Burn's stock ops
-/// without a word. Other backends (CPU, WGPU) take the reference ops silently, as designed.
+/// CUDA (CubeCL with other element types, say): such a user expects the fast paths and would
+/// otherwise get Burn's stock ops without a word. Other backends (CPU, WGPU) take the
+/// reference ops silently, as designed. Under fusion, logs once which ops fusion keeps.
 fn note_unserved<B: Backend>() {
     use std::collections::HashSet;
     use std::sync::{Mutex, OnceLock};
     static SEEN: OnceLock<Mutex<HashSet<TypeId>>> = OnceLock::new();
     let name = std::any::type_name::<B>();
-    if !name.contains("Cuda") {
+    let fused = matches!(served::<B>(), Some(Served::Fused | Served::FusedAutodiff));
+    if !fused && (served::<B>().is_some() || !name.contains("Cuda")) {
         return;
     }
     let mut seen = SEEN
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    if seen.insert(TypeId::of::<B>()) {
+    if !seen.insert(TypeId::of::<B>()) {
+        return;
+    }
+    if fused {
+        tracing::info!(
+            "smp-burn on burn::backend::Cuda (fusion): linear layers, attention, the embedding \
+             gradient, the LM-head loss, AdamW and gradient packing run on smp-burn's kernels \
+             inside fusion's stream; RMSNorm, RoPE and SwiGLU are left to Burn's fusion, and \
+             gradients meeting at a tensor are summed by a separate add (in place only on \
+             smp_burn::cuda::CudaCube)"
+        );
+    } else {
         tracing::warn!(
             "smp-burn: backend {name} gets Burn's stock ops for linear layers (cuBLAS), \
-             attention (flash), RMSNorm, RoPE, SwiGLU, the embedding gradient, the LM-head loss's \
-             softmax, AdamW and gradient packing: the fast paths serve \
-             smp_burn::cuda::CudaCube (Burn's CubeCL CUDA backend, f32 elements, without \
-             fusion) and Autodiff over it only, since their kernels take CubeCL buffers that \
-             fusion hands out only after draining its queue. Train on CudaCube for speed; NCCL \
-             collectives work on either."
+             attention (flash), RMSNorm, RoPE, SwiGLU, the embedding gradient, the LM-head \
+             loss's softmax, AdamW and gradient packing: the fast paths serve \
+             smp_burn::cuda::CudaCube and burn::backend::Cuda (f32 float elements, i32 ints), \
+             with or without Autodiff. Train on one of those for speed."
         );
     }
 }
 
-/// Whether `B` is the backend the CUDA fast paths serve, with or without autodiff.
+/// Whether `B` is a backend the CUDA fast paths serve, with or without autodiff.
 pub(crate) fn is_cuda<B: Backend>() -> bool {
-    let b = TypeId::of::<B>();
-    b == TypeId::of::<CudaAutodiff>() || b == TypeId::of::<CudaCube>()
+    served::<B>().is_some()
 }
 
 /// `x w^T` through cuBLAS when `B` is the CUDA backend and the dtypes allow; `None` means
@@ -54,17 +68,29 @@ pub(crate) fn linear<B: Backend, const D: usize>(
     if !fast_paths().gemm || !gemm::supports(x.dtype(), w.dtype()) {
         return None;
     }
-    let b = TypeId::of::<B>();
-    if b == TypeId::of::<CudaAutodiff>() {
-        let y = gemm::linear_autodiff::<D>(same(x.clone()), same(w.clone()));
-        Some(same(y))
-    } else if b == TypeId::of::<CudaCube>() {
-        let y = gemm::linear_plain::<D>(same(x.clone()), same(w.clone()));
-        Some(same(y))
-    } else {
-        note_unserved::<B>();
-        None
-    }
+    let y: Tensor<B, D> = match served::<B>() {
+        Some(Served::CubeAutodiff) => same(gemm::linear_autodiff::<CudaCube, D>(
+            same(x.clone()),
+            same(w.clone()),
+        )),
+        Some(Served::FusedAutodiff) => same(gemm::linear_autodiff::<FusedCuda, D>(
+            same(x.clone()),
+            same(w.clone()),
+        )),
+        Some(Served::Cube) => same(gemm::linear_plain::<CudaCube, D>(
+            same(x.clone()),
+            same(w.clone()),
+        )),
+        Some(Served::Fused) => same(gemm::linear_plain::<FusedCuda, D>(
+            same(x.clone()),
+            same(w.clone()),
+        )),
+        None => {
+            note_unserved::<B>();
+            return None;
+        }
+    };
+    Some(y)
 }
 
 /// Causal grouped-query attention through the flash kernels when `B` is the CUDA backend and
@@ -82,19 +108,34 @@ pub(crate) fn causal_attention<B: Backend>(
     {
         return None;
     }
-    let b = TypeId::of::<B>();
-    if b == TypeId::of::<CudaAutodiff>() {
-        let o =
-            attention::causal_attention_autodiff(same(q.clone()), same(k.clone()), same(v.clone()));
-        Some(same(o))
-    } else if b == TypeId::of::<CudaCube>() {
-        let o =
-            attention::causal_attention_plain(same(q.clone()), same(k.clone()), same(v.clone()));
-        Some(same(o))
-    } else {
-        note_unserved::<B>();
-        None
-    }
+    let (q, k, v) = (q.clone(), k.clone(), v.clone());
+    let o: Tensor<B, 4> = match served::<B>() {
+        Some(Served::CubeAutodiff) => same(attention::causal_attention_autodiff::<CudaCube>(
+            same(q),
+            same(k),
+            same(v),
+        )),
+        Some(Served::FusedAutodiff) => same(attention::causal_attention_autodiff::<FusedCuda>(
+            same(q),
+            same(k),
+            same(v),
+        )),
+        Some(Served::Cube) => same(attention::causal_attention_plain::<CudaCube>(
+            same(q),
+            same(k),
+            same(v),
+        )),
+        Some(Served::Fused) => same(attention::causal_attention_plain::<FusedCuda>(
+            same(q),
+            same(k),
+            same(v),
+        )),
+        None => {
+            note_unserved::<B>();
+            return None;
+        }
+    };
+    Some(o)
 }
 
 /// The input gradients of a linear layer (`dx = dy w`, `dw = dy^T x`, as requested) through
@@ -108,22 +149,30 @@ pub(crate) fn linear_grads<B: Backend>(
     want_dx: bool,
     want_dw: bool,
 ) -> Option<(Option<Tensor<B, 2>>, Option<Tensor<B, 2>>)> {
-    if !fast_paths().gemm
-        || TypeId::of::<B>() != TypeId::of::<CudaCube>()
-        || !gemm::supports(dy.dtype(), w.dtype())
-        || x.dtype() != w.dtype()
-    {
+    if !fast_paths().gemm || !gemm::supports(dy.dtype(), w.dtype()) || x.dtype() != w.dtype() {
         return None;
     }
-    let prim = |t: &Tensor<B, 2>| to_cube(t.clone());
-    let (dx, dw) = gemm::linear_backward(
-        prim(dy),
-        want_dw.then(|| prim(x)),
-        want_dx.then(|| prim(w)),
-        &x.shape(),
-        None,
-    );
-    Some((dx.map(from_cube), dw.map(from_cube)))
+    fn on<B: Backend, I: CubeInner>(
+        dy: &Tensor<B, 2>,
+        x: &Tensor<B, 2>,
+        w: &Tensor<B, 2>,
+        want_dx: bool,
+        want_dw: bool,
+    ) -> (Option<Tensor<B, 2>>, Option<Tensor<B, 2>>) {
+        let t = |t: &Tensor<B, 2>| same::<Tensor<B, 2>, Tensor<I, 2>>(t.clone());
+        let (dx, dw) = gemm::linear_grads::<I>(
+            t(dy),
+            want_dw.then(|| t(x)),
+            want_dx.then(|| t(w)),
+            x.shape(),
+        );
+        (dx.map(same), dw.map(same))
+    }
+    match served::<B>() {
+        Some(Served::Cube) => Some(on::<B, CudaCube>(dy, x, w, want_dx, want_dw)),
+        Some(Served::Fused) => Some(on::<B, FusedCuda>(dy, x, w, want_dx, want_dw)),
+        _ => None,
+    }
 }
 
 /// Whether a float dtype is one the fused kernels take.
@@ -205,16 +254,19 @@ pub(crate) fn embedding<B: Backend>(
     weight: &Tensor<B, 2>,
     ids: &Tensor<B, 2, Int>,
 ) -> Option<Tensor<B, 3>> {
-    if !fast_paths().embed
-        || !fused_dtype(weight.dtype())
-        || TypeId::of::<B>() != TypeId::of::<CudaAutodiff>()
-    {
+    if !fast_paths().embed || !fused_dtype(weight.dtype()) {
         return None;
     }
-    Some(same(crate::cuda::embedding::embedding_autodiff(
-        same(weight.clone()),
-        same(ids.clone()),
-    )))
+    let (w, ids) = (weight.clone(), ids.clone());
+    match served::<B>() {
+        Some(Served::CubeAutodiff) => Some(same(crate::cuda::embedding::embedding_autodiff::<
+            CudaCube,
+        >(same(w), same(ids)))),
+        Some(Served::FusedAutodiff) => Some(same(crate::cuda::embedding::embedding_autodiff::<
+            FusedCuda,
+        >(same(w), same(ids)))),
+        _ => None,
+    }
 }
 
 /// Rotary embeddings through the fused kernels when `B` is the CUDA backend, the tables are
@@ -251,21 +303,58 @@ pub(crate) fn rope<B: Backend>(
     }
 }
 
-/// Each row's log-sum-exp and loss of `logits` through [`crate::cuda::xent::row_stats`] when
-/// `B` is the CUDA backend; `None` means "use the reference".
+/// Runs `f` (a fast path on CubeCL buffers) on the plain served backend `B`; `None` for any
+/// other backend.
+fn run_plain<B: Backend>(
+    name: &'static str,
+    args: Vec<Arg<B>>,
+    outputs: Vec<(burn::tensor::Shape, DType)>,
+    f: CubeFn,
+) -> Option<Vec<B::FloatTensorPrimitive>> {
+    match served::<B>() {
+        Some(Served::Cube) => Some(same(CudaCube::run(name, same(args), outputs, f))),
+        Some(Served::Fused) => Some(same(FusedCuda::run(name, same(args), outputs, f))),
+        Some(Served::CubeAutodiff | Served::FusedAutodiff) => None,
+        None => {
+            note_unserved::<B>();
+            None
+        }
+    }
+}
+
+fn float<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Arg<B> {
+    Arg::Float(t.clone().into_primitive().tensor())
+}
+
+fn tensor<B: Backend, const D: usize>(t: B::FloatTensorPrimitive) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// Each row's log-sum-exp and loss of `logits` through [`crate::cuda::xent::row_stats`] on a
+/// plain CUDA backend; `None` means "use the reference".
 pub(crate) fn xent_row_stats<B: Backend>(
     logits: &Tensor<B, 2>,
     targets: &Tensor<B, 1, Int>,
 ) -> Option<(Tensor<B, 1>, Tensor<B, 1>)> {
-    if !fast_paths().xent || TypeId::of::<B>() != TypeId::of::<CudaCube>() {
+    if !fast_paths().xent {
         return None;
     }
-    let (lse, loss) = crate::cuda::xent::row_stats(to_cube(logits.clone()), int_to_cube(targets));
-    Some((from_cube(lse), from_cube(loss)))
+    let rows = logits.dims()[0];
+    let out = vec![([rows].into(), DType::F32); 2];
+    let f: CubeFn = Arc::new(|inputs: Vec<Cube>| {
+        let [logits, targets]: [Cube; 2] = inputs.try_into().expect("logits, targets");
+        let (lse, loss) = crate::cuda::xent::row_stats(logits, targets);
+        vec![lse, loss]
+    });
+    let args = vec![float(logits), Arg::Int(targets.clone().into_primitive())];
+    let [lse, loss]: [_; 2] = run_plain::<B>("smp_burn.xent_row_stats", args, out, f)?
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("two outputs declared"));
+    Some((tensor(lse), tensor(loss)))
 }
 
 /// The loss's gradient with respect to the logits, in the logits' dtype, through
-/// [`crate::cuda::xent::softmax_grad`] when `B` is the CUDA backend; `None` means "use the
+/// [`crate::cuda::xent::softmax_grad`] on a plain CUDA backend; `None` means "use the
 /// reference".
 pub(crate) fn xent_softmax_grad<B: Backend>(
     logits: &Tensor<B, 2>,
@@ -273,30 +362,30 @@ pub(crate) fn xent_softmax_grad<B: Backend>(
     targets: &Tensor<B, 1, Int>,
     scale: &Tensor<B, 2>,
 ) -> Option<Tensor<B, 2>> {
-    if !fast_paths().xent || TypeId::of::<B>() != TypeId::of::<CudaCube>() {
+    if !fast_paths().xent {
         return None;
     }
-    let g = crate::cuda::xent::softmax_grad(
-        to_cube(logits.clone()),
-        to_cube(lse.clone()),
-        int_to_cube(targets),
-        to_cube(scale.clone()),
-    );
-    Some(from_cube(g))
+    let out = vec![(logits.shape(), logits.dtype())];
+    let f: CubeFn = Arc::new(|inputs: Vec<Cube>| {
+        let [logits, lse, targets, scale]: [Cube; 4] = inputs.try_into().expect("four inputs");
+        vec![crate::cuda::xent::softmax_grad(logits, lse, targets, scale)]
+    });
+    let args = vec![
+        float(logits),
+        float(lse),
+        Arg::Int(targets.clone().into_primitive()),
+        float(scale),
+    ];
+    let g = run_plain::<B>("smp_burn.xent_softmax_grad", args, out, f)?.pop()?;
+    Some(tensor(g))
 }
 
-/// The CubeCL tensor behind an int tensor of `B`, which the caller proved to be [`CudaCube`].
-fn int_to_cube<B: Backend, const D: usize>(
-    t: &Tensor<B, D, Int>,
-) -> burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime> {
-    same::<Tensor<B, D, Int>, Tensor<CudaCube, D, Int>>(t.clone()).into_primitive()
-}
-
-/// FSDP's AdamW step through the fused kernel when `B` is the CUDA backend and the state is
-/// f32 (the gradient may be f32, bf16 or f16). `state` is `[master, exp_avg, exp_avg_sq]`,
-/// taken by value so that the kernel can update the buffers in place: a second handle would
-/// make it copy each one first (three shard-sized copies per unit and step). With `copy_dtype` the kernel also returns the updated weights in
-/// that dtype. `Err(state)` hands the state back: use the reference.
+/// FSDP's AdamW step through the fused kernel on a plain CUDA backend when the state is f32
+/// (the gradient may be f32, bf16 or f16). `state` is `[master, exp_avg, exp_avg_sq]`, taken by
+/// value so that the kernel can update the buffers in place: a second handle would make it
+/// copy each one first (three shard-sized copies per unit and step). With `copy_dtype` the
+/// kernel also returns the updated weights in that dtype. `Err(state)` hands the state back:
+/// use the reference.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw_step<B: Backend>(
     state: AdamWState<B>,
@@ -308,7 +397,7 @@ pub(crate) fn adamw_step<B: Backend>(
     runs: &[(std::ops::Range<usize>, crate::optim::RunRates)],
     copy_dtype: Option<DType>,
 ) -> Result<AdamWUpdate<B>, AdamWState<B>> {
-    if TypeId::of::<B>() != TypeId::of::<CudaCube>() {
+    if !matches!(served::<B>(), Some(Served::Cube | Served::Fused)) {
         note_unserved::<B>();
         return Err(state);
     }
@@ -322,7 +411,6 @@ pub(crate) fn adamw_step<B: Backend>(
     {
         return Err(state);
     }
-    let [master, exp_avg, exp_avg_sq] = state.map(to_cube);
     let (inv_bias1, inv_bias2) = (
         1.0 / (1.0 - opt.beta1.powi(step as i32)),
         1.0 / (1.0 - opt.beta2.powi(step as i32)),
@@ -335,47 +423,65 @@ pub(crate) fn adamw_step<B: Backend>(
         inv_bias1: inv_bias1 as f32,
         inv_bias2: inv_bias2 as f32,
     };
-    let (m, a, v, copy) = crate::cuda::adamw::adamw_step(
-        master,
-        exp_avg,
-        exp_avg_sq,
-        to_cube(grad.clone()),
-        to_cube(grad_scale.clone()),
-        hp,
-        runs,
-        copy_dtype,
-    );
-    Ok(([m, a, v].map(from_cube), copy.map(from_cube)))
+    let len = state[0].dims()[0];
+    let mut out = vec![([len].into(), DType::F32); 3];
+    out.extend(copy_dtype.map(|d| ([len].into(), d)));
+    let runs = runs.to_vec();
+    let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
+        let [master, exp_avg, exp_avg_sq, grad, grad_scale]: [Cube; 5] =
+            inputs.try_into().expect("five inputs");
+        let (m, a, v, copy) = crate::cuda::adamw::adamw_step(
+            master, exp_avg, exp_avg_sq, grad, grad_scale, hp, &runs, copy_dtype,
+        );
+        [m, a, v].into_iter().chain(copy).collect()
+    });
+    let mut args: Vec<Arg<B>> = state
+        .into_iter()
+        .map(|t| Arg::Float(t.into_primitive().tensor()))
+        .collect();
+    args.push(float(grad));
+    args.push(float(grad_scale));
+    let mut out = run_plain::<B>("smp_burn.adamw", args, out, f)
+        .expect("served backend checked above")
+        .into_iter();
+    let mut next = || tensor::<B, 1>(out.next().expect("declared output"));
+    let new_state = [next(), next(), next()];
+    let copy = copy_dtype.map(|_| next());
+    Ok((new_state, copy))
 }
 
 /// `sum_r weight_r * sum(t[range_r]^2)` (the gradient norm's share of a shard) through one
-/// deterministic CubeCL reduction (in f32) when `B` is the CUDA backend and `t` is f32, bf16 or
-/// f16; part of the `adamw` switch, since only the optimizer step uses it. `None` means "use the reference".
+/// deterministic CubeCL reduction (in f32) on a plain CUDA backend when `t` is f32, bf16 or
+/// f16; part of the `adamw` switch, since only the optimizer step uses it. `None` means "use
+/// the reference".
 pub(crate) fn weighted_sq_sum<B: Backend>(
     t: &Tensor<B, 1>,
     runs: &[(std::ops::Range<usize>, f32)],
 ) -> Option<Tensor<B, 1>> {
-    if !fast_paths().adamw
-        || TypeId::of::<B>() != TypeId::of::<CudaCube>()
-        || !fused_dtype(t.dtype())
-    {
+    if !fast_paths().adamw || !fused_dtype(t.dtype()) {
         return None;
     }
-    let x = to_cube(t.clone());
-    Some(from_cube(crate::cuda::adamw::weighted_sq_sum(x, runs)))
+    let runs = runs.to_vec();
+    let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
+        let [x]: [Cube; 1] = inputs.try_into().expect("one input");
+        vec![crate::cuda::adamw::weighted_sq_sum(x, &runs)]
+    });
+    let out = vec![([1].into(), DType::F32)];
+    let sum = run_plain::<B>("smp_burn.weighted_sq_sum", vec![float(t)], out, f)?.pop()?;
+    Some(tensor(sum))
 }
 
-/// Whether the packing kernels serve these pieces: the `flat` path is on, `B` is the CUDA
+/// Whether the packing kernels serve these pieces: the `flat` path is on, `B` is a plain CUDA
 /// backend and `dtype` a float type the kernels write.
 fn packs_on_cuda<B: Backend>(pieces: &[Tensor<B, 1>], dtype: DType) -> bool {
     fast_paths().flat
-        && TypeId::of::<B>() == TypeId::of::<CudaCube>()
+        && matches!(served::<B>(), Some(Served::Cube | Served::Fused))
         && !pieces.is_empty()
         && fused_dtype(dtype)
 }
 
 /// One flat tensor of `dtype` and `total` elements holding `pieces` back to back, then zeros,
-/// through one cast-and-copy kernel per piece when `B` is the CUDA backend; `Err(pieces)` hands
+/// through one cast-and-copy kernel per piece on a plain CUDA backend; `Err(pieces)` hands
 /// them back for the reference (`cast` + `cat`).
 pub(crate) fn pack<B: Backend>(
     pieces: Vec<Tensor<B, 1>>,
@@ -385,8 +491,14 @@ pub(crate) fn pack<B: Backend>(
     if !packs_on_cuda::<B>(&pieces, dtype) {
         return Err(pieces);
     }
-    let cubes = pieces.into_iter().map(to_cube).collect();
-    Ok(from_cube(crate::cuda::flat::pack(cubes, total, dtype)))
+    let f: CubeFn =
+        Arc::new(move |inputs: Vec<Cube>| vec![crate::cuda::flat::pack(inputs, total, dtype)]);
+    let args = pieces.iter().map(float).collect();
+    let out = vec![([total].into(), dtype)];
+    let flat = run_plain::<B>("smp_burn.pack", args, out, f)
+        .and_then(|mut v| v.pop())
+        .expect("served backend checked above");
+    Ok(tensor(flat))
 }
 
 /// [`pack`] with the sum of squares of each piece's packed values, as f32 partial sums and a
@@ -401,38 +513,36 @@ pub(crate) fn pack_with_sq_sums<B: Backend>(
     if !packs_on_cuda::<B>(&pieces, dtype) {
         return Err(pieces);
     }
-    let cubes = pieces.into_iter().map(to_cube).collect();
-    let (flat, (partials, ranges)) = crate::cuda::flat::pack_with_sq_sums(cubes, total, dtype);
-    Ok((from_cube(flat), from_cube(partials), ranges))
+    let sizes: Vec<usize> = pieces.iter().map(|p| p.dims()[0]).collect();
+    let (ranges, slots) = crate::cuda::flat::sq_partial_ranges(&sizes);
+    let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
+        let (flat, (partials, _)) = crate::cuda::flat::pack_with_sq_sums(inputs, total, dtype);
+        vec![flat, partials]
+    });
+    let args = pieces.iter().map(float).collect();
+    let out = vec![([total].into(), dtype), ([slots.max(1)].into(), DType::F32)];
+    let [flat, partials]: [_; 2] = run_plain::<B>("smp_burn.pack_with_sq_sums", args, out, f)
+        .expect("served backend checked above")
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("two outputs declared"));
+    Ok((tensor(flat), tensor(partials), ranges))
 }
 
-/// `sum_r weight_r * sum(t[range_r])` through the CubeCL reduction when `B` is the CUDA
-/// backend (for [`pack_with_sq_sums`]'s partials, which only exist there); `None` otherwise.
+/// `sum_r weight_r * sum(t[range_r])` through the CubeCL reduction on a plain CUDA backend
+/// (for [`pack_with_sq_sums`]'s partials, which only exist there); `None` otherwise.
 pub(crate) fn weighted_sum<B: Backend>(
     t: &Tensor<B, 1>,
     runs: &[(std::ops::Range<usize>, f32)],
 ) -> Option<Tensor<B, 1>> {
-    if TypeId::of::<B>() != TypeId::of::<CudaCube>() || t.dtype() != DType::F32 {
+    if t.dtype() != DType::F32 {
         return None;
     }
-    let x = to_cube(t.clone());
-    Some(from_cube(crate::cuda::adamw::weighted_sum(x, runs)))
-}
-
-/// The CubeCL tensor under a float tensor of `B`, which the caller proved to be [`CudaCube`].
-fn to_cube<B: Backend, const D: usize>(
-    t: Tensor<B, D>,
-) -> burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime> {
-    same::<Tensor<B, D>, Tensor<CudaCube, D>>(t)
-        .into_primitive()
-        .tensor()
-}
-
-/// A CUDA kernel's output as a tensor of `B`, which the caller proved to be [`CudaCube`].
-fn from_cube<B: Backend, const D: usize>(
-    t: burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>,
-) -> Tensor<B, D> {
-    same(Tensor::<CudaCube, D>::from_primitive(
-        TensorPrimitive::Float(t),
-    ))
+    let runs = runs.to_vec();
+    let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
+        let [x]: [Cube; 1] = inputs.try_into().expect("one input");
+        vec![crate::cuda::adamw::weighted_sum(x, &runs)]
+    });
+    let out = vec![([1].into(), DType::F32)];
+    let sum = run_plain::<B>("smp_burn.weighted_sum", vec![float(t)], out, f)?.pop()?;
+    Some(tensor(sum))
 }

@@ -285,7 +285,9 @@ pub(crate) fn lce_autodiff<B: Backend>(
         })
     }
     #[cfg(feature = "cuda")]
-    if let Some(loss) = on::<B, crate::cuda::CudaCube>(x, w, targets, chunk_tokens) {
+    if let Some(loss) = on::<B, crate::cuda::CudaCube>(x, w, targets, chunk_tokens)
+        .or_else(|| on::<B, crate::cuda::bridge::FusedCuda>(x, w, targets, chunk_tokens))
+    {
         return Some(loss);
     }
     on::<B, NdArray<f32>>(x, w, targets, chunk_tokens)
