@@ -87,6 +87,10 @@ struct Cli {
     /// Continue from the latest checkpoint in the output directory.
     #[arg(long)]
     resume: bool,
+    /// Start afresh in an output directory that holds another run, replacing its checkpoints,
+    /// metrics and export (without it, or --resume, that is refused).
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     /// Write no checkpoints (throughput runs of large models).
     #[arg(long)]
     no_checkpoint: bool,
@@ -178,6 +182,9 @@ fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
     }
     if cli.resume {
         c.resume = true;
+    }
+    if cli.overwrite {
+        c.overwrite = true;
     }
     if cli.no_checkpoint {
         c.checkpoints = false;

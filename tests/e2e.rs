@@ -250,6 +250,100 @@ fn errors_name_the_values() {
     );
 }
 
+/// A fresh run pointed at another run's output directory is refused before any work, naming
+/// the directory and what it holds, and changes nothing there; `resume` continues that run and
+/// `overwrite` replaces it (its old checkpoints gone, not mixed with the new ones).
+#[test]
+fn a_used_output_directory_is_refused() {
+    let fx = Fixture::new();
+    let dir = fx.path("used");
+    let cfg = |steps: u64| TrainConfig {
+        steps,
+        export_hf: Some(dir.join("hf")),
+        ..config(&fx, "used")
+    };
+    train(cfg(2), 1);
+    let snapshot = || {
+        let mut files = Vec::new();
+        let mut stack = vec![dir.clone()];
+        while let Some(d) = stack.pop() {
+            for entry in std::fs::read_dir(&d).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else {
+                    files.push((path.clone(), std::fs::read(&path).unwrap()));
+                }
+            }
+        }
+        files.sort();
+        files
+    };
+    let before = snapshot();
+    let latest = train::latest_checkpoint(&dir)
+        .unwrap()
+        .expect("a checkpoint");
+
+    let e = expect_error(try_train(cfg(3), 1), "a fresh run in a used directory");
+    assert!(
+        e.contains(&dir.display().to_string())
+            && e.contains("metrics.jsonl")
+            && e.contains("--resume")
+            && e.contains("--overwrite"),
+        "{e}"
+    );
+    assert!(
+        snapshot() == before,
+        "the refused run changed files in {}",
+        dir.display()
+    );
+
+    // The export directory alone is guarded too.
+    let e = expect_error(
+        try_train(
+            TrainConfig {
+                export_hf: Some(dir.join("hf")),
+                ..config(&fx, "elsewhere")
+            },
+            1,
+        ),
+        "a fresh run exporting over another run's export",
+    );
+    assert!(e.contains(&dir.join("hf").display().to_string()), "{e}");
+
+    // Resuming continues the run; overwriting replaces it.
+    let resumed = train(
+        TrainConfig {
+            resume: true,
+            ..cfg(3)
+        },
+        1,
+    );
+    assert_eq!(resumed.steps, 3);
+    let fresh = train(
+        TrainConfig {
+            overwrite: true,
+            steps: 1,
+            ..cfg(1)
+        },
+        1,
+    );
+    assert_eq!(fresh.steps, 1);
+    let now = train::latest_checkpoint(&dir)
+        .unwrap()
+        .expect("a checkpoint");
+    assert_ne!(
+        now, latest,
+        "the overwriting run's checkpoint is the latest"
+    );
+    let steps: Vec<_> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    assert_eq!(steps, ["step-000001"], "old checkpoints are gone");
+}
+
 /// The Hugging Face export of a run reloads with every parameter at its shape, and matches the
 /// fp32 checkpoint of the same step to bf16 precision.
 #[test]

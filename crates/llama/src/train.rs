@@ -75,6 +75,10 @@ pub struct TrainConfig {
     pub checkpoints: bool,
     /// Continue from the latest checkpoint in `out_dir`.
     pub resume: bool,
+    /// Start a fresh run in an `out_dir` (or export directory) that holds another run's
+    /// checkpoints, metrics or export, replacing them; without it (or `resume`) that is an
+    /// error, so that no run destroys another's data.
+    pub overwrite: bool,
     /// Start from a Hugging Face Llama directory's weights (and its config.json).
     pub init_from_hf: Option<PathBuf>,
     /// Write a Hugging Face checkpoint here at the end.
@@ -117,6 +121,7 @@ impl Default for TrainConfig {
             checkpoint_interval: 0,
             checkpoints: true,
             resume: false,
+            overwrite: false,
             init_from_hf: None,
             export_hf: Some(PathBuf::from("runs/llama2/hf")),
             export_dtype: "bf16".into(),
@@ -198,6 +203,7 @@ pub struct Prepared {
 /// Loads the corpus and the tokenizer (training a byte-level BPE when none is given) and packs
 /// the data. On resume the checkpoint's own tokenizer is used, so token ids stay the same.
 pub fn prepare(config: TrainConfig) -> Result<Prepared> {
+    check_output_is_free(&config)?;
     let texts = crate::data::load_texts(
         &crate::data::DataSource::from_arg(&config.data),
         &config.text_field,
@@ -363,6 +369,9 @@ pub fn train_rank<B: AutodiffBackend>(
     let unigram = prepared.dataset.unigram_entropy();
     let flops_per_token = prepared.model.flops_per_token(cfg.seq_len);
 
+    if cfg.overwrite && !cfg.resume && lead {
+        clear_previous_run(&cfg.out_dir)?;
+    }
     std::fs::create_dir_all(&cfg.out_dir).map_err(|e| LlamaError::io(&cfg.out_dir, e))?;
     let metrics_path = cfg.out_dir.join("metrics.jsonl");
     let mut metrics = if lead {
@@ -868,6 +877,64 @@ impl TrainerState {
         serde_json::from_str(&text)
             .map_err(|e| LlamaError::checkpoint(&path, format!("unreadable: {e}")))
     }
+}
+
+/// Refuses a fresh run whose output directory or export directory holds another run's files
+/// (checkpoints, metrics, loss plot, an export), unless the run resumes or overwrites: checked
+/// before any work, so that nothing existing is replaced by surprise. Resuming where there is
+/// nothing to resume starts afresh, with a warning (a preempted job's first start does that).
+fn check_output_is_free(config: &TrainConfig) -> Result<()> {
+    if config.resume {
+        if latest_checkpoint(&config.out_dir)?.is_none() {
+            tracing::warn!(
+                "--resume: {} holds no checkpoint; starting a fresh run",
+                config.out_dir.display()
+            );
+        }
+        return Ok(());
+    }
+    if config.overwrite {
+        return Ok(());
+    }
+    let out = &config.out_dir;
+    let mut found: Vec<PathBuf> = ["checkpoints", "metrics.jsonl", "loss.svg"]
+        .iter()
+        .map(|name| out.join(name))
+        .filter(|path| path.exists())
+        .collect();
+    if let Some(export) = &config.export_hf {
+        let used = std::fs::read_dir(export).is_ok_and(|mut entries| entries.next().is_some());
+        if used {
+            found.push(export.clone());
+        }
+    }
+    if found.is_empty() {
+        return Ok(());
+    }
+    let found: Vec<String> = found.iter().map(|p| p.display().to_string()).collect();
+    Err(LlamaError::Config(format!(
+        "{} holds another run's files ({}); pass --resume to continue that run, --overwrite to \
+         replace it, or choose another --out-dir (and --export-hf)",
+        out.display(),
+        found.join(", ")
+    )))
+}
+
+/// Removes what a previous run left in the output directory before an overwriting run starts,
+/// so that its checkpoints cannot be mistaken for this run's.
+fn clear_previous_run(out_dir: &Path) -> Result<()> {
+    for name in ["checkpoints", "metrics.jsonl", "loss.svg"] {
+        let path = out_dir.join(name);
+        let removed = if path.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else if path.exists() {
+            std::fs::remove_file(&path)
+        } else {
+            Ok(())
+        };
+        removed.map_err(|e| LlamaError::io(&path, e))?;
+    }
+    Ok(())
 }
 
 /// The checkpoint named by `out_dir/latest`, if any.
