@@ -23,6 +23,10 @@ pub struct RendezvousConfig {
     pub master_port: u16,
     /// How long rendezvous may take before failing with the missing ranks.
     pub timeout: Duration,
+    /// The job's id, checked in the store's handshake so that two jobs given the same
+    /// `MASTER_ADDR:MASTER_PORT` fail by name instead of joining each other: `SMP_RUN_ID`,
+    /// else torchrun's `TORCHELASTIC_RUN_ID`, else Slurm's `SLURM_JOB_ID`; empty skips the check.
+    pub run_id: String,
 }
 
 const DEFAULT_PORT: u16 = 29500;
@@ -78,6 +82,10 @@ impl RendezvousConfig {
         let get: Getter = &get;
         let timeout = env_secs(get, "SMP_RENDEZVOUS_TIMEOUT_SECS")?.unwrap_or(DEFAULT_TIMEOUT);
         let master_port = parse_var::<u16>(get, "MASTER_PORT")?.unwrap_or(DEFAULT_PORT);
+        let run_id = ["SMP_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"]
+            .iter()
+            .find_map(|k| get(k).filter(|v| !v.trim().is_empty()))
+            .unwrap_or_default();
         let cfg = if get("RANK").is_some() {
             let why = "RANK is set, so a torchrun-style launch is assumed";
             let rank = require(get, "RANK", why)?;
@@ -90,6 +98,7 @@ impl RendezvousConfig {
                 master_addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
                 master_port,
                 timeout,
+                run_id,
             }
         } else if get("SLURM_PROCID").is_some() {
             let why = "SLURM_PROCID is set, so a Slurm launch is assumed";
@@ -127,6 +136,7 @@ impl RendezvousConfig {
                 master_addr,
                 master_port,
                 timeout,
+                run_id,
             }
         } else {
             return Err(CommError::config(
@@ -148,6 +158,7 @@ impl RendezvousConfig {
             master_addr: "127.0.0.1".into(),
             master_port: 0,
             timeout: Duration::from_secs(30),
+            run_id: String::new(),
         }
     }
 
@@ -265,10 +276,19 @@ fn rank_key(r: usize) -> String {
 
 /// Connects to (rank 0: hosts) the store named by `cfg`.
 pub(crate) fn open_store(cfg: &RendezvousConfig) -> Result<Store> {
+    tracing::info!(
+        "rendezvous: rank {} of {} at {}:{}, run {:?}, timeout {:?} (SMP_RENDEZVOUS_TIMEOUT_SECS)",
+        cfg.rank,
+        cfg.world_size,
+        cfg.master_addr,
+        cfg.master_port,
+        cfg.run_id,
+        cfg.timeout
+    );
     if cfg.rank == 0 {
-        Store::host(&cfg.master_addr, cfg.master_port, cfg.timeout)
+        Store::host_run(&cfg.master_addr, cfg.master_port, cfg.timeout, &cfg.run_id)
     } else {
-        Store::connect(&cfg.master_addr, cfg.master_port, cfg.timeout)
+        Store::connect_run(&cfg.master_addr, cfg.master_port, cfg.timeout, &cfg.run_id)
     }
 }
 
@@ -424,6 +444,23 @@ mod tests {
         );
         assert_eq!((c.master_addr.as_str(), c.master_port), ("10.0.0.1", 1234));
         assert_eq!(c.timeout, Duration::from_millis(2500));
+    }
+
+    #[test]
+    fn run_id_from_the_launcher() {
+        let id = |extra: &[(&str, &str)]| {
+            let all: Vec<_> = [("RANK", "0"), ("WORLD_SIZE", "1")]
+                .into_iter()
+                .chain(extra.iter().copied())
+                .collect();
+            RendezvousConfig::from_vars(vars(&all)).unwrap().run_id
+        };
+        assert_eq!(id(&[]), "");
+        assert_eq!(id(&[("TORCHELASTIC_RUN_ID", "t1")]), "t1");
+        assert_eq!(
+            id(&[("SLURM_JOB_ID", "77"), ("SMP_RUN_ID", "mine")]),
+            "mine"
+        );
     }
 
     #[test]

@@ -3,6 +3,11 @@
 //! Rank 0 hosts it; every rank (rank 0 included) talks to it through a client connection.
 //! Blocking reads wait on the server side, so a `get` costs one round trip however long
 //! the key takes to appear.
+//!
+//! Every connection opens with a handshake: the client sends [`MAGIC`], the protocol version
+//! and the run id, the server answers with the same magic and a status. So a wrong port (an
+//! HTTP server, another job's store, an old build) is named as such within the timeout instead
+//! of surfacing later as a garbled reply or a wait that never ends.
 
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -19,6 +24,16 @@ const OP_ADD: u8 = 3;
 const OP_CHECK: u8 = 4;
 const OP_WAIT: u8 = 5;
 const MAX_FIELD: u64 = 1 << 30;
+
+/// The first bytes of every connection, in both directions.
+pub const MAGIC: &[u8; 8] = b"SMPSTORE";
+/// The store protocol spoken here; a peer with another one is refused by name.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// How long a server waits for a new connection's handshake before dropping it.
+const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
+const HELLO_OK: u8 = 0;
+const HELLO_BAD_VERSION: u8 = 1;
+const HELLO_OTHER_RUN: u8 = 2;
 
 fn write_bytes(w: &mut impl Write, b: &[u8]) -> std::io::Result<()> {
     w.write_all(&(b.len() as u64).to_le_bytes())?;
@@ -59,6 +74,8 @@ fn read_key(r: &mut impl Read) -> std::io::Result<String> {
 struct Shared {
     map: Mutex<HashMap<String, Vec<u8>>>,
     cv: Condvar,
+    /// The run this store serves; clients of another run are refused (empty: any run).
+    run_id: String,
 }
 
 impl Shared {
@@ -82,9 +99,47 @@ impl Shared {
         }
     }
 
+    /// Reads a client's hello and answers it; `Ok(false)` when the client is refused.
+    fn handshake(
+        &self,
+        r: &mut BufReader<TcpStream>,
+        w: &mut BufWriter<TcpStream>,
+    ) -> std::io::Result<bool> {
+        r.get_ref().set_read_timeout(Some(HANDSHAKE_WAIT))?;
+        let mut magic = [0u8; 8];
+        r.read_exact(&mut magic)?;
+        if &magic != MAGIC {
+            // Not a store client: say nothing a foreign protocol could misread.
+            return Ok(false);
+        }
+        let mut version = [0u8; 4];
+        r.read_exact(&mut version)?;
+        let version = u32::from_le_bytes(version);
+        let run_id = read_key(r)?;
+        w.write_all(MAGIC)?;
+        w.write_all(&PROTOCOL_VERSION.to_le_bytes())?;
+        let accepted = if version != PROTOCOL_VERSION {
+            w.write_all(&[HELLO_BAD_VERSION])?;
+            false
+        } else if !self.run_id.is_empty() && !run_id.is_empty() && run_id != self.run_id {
+            w.write_all(&[HELLO_OTHER_RUN])?;
+            write_bytes(w, self.run_id.as_bytes())?;
+            false
+        } else {
+            w.write_all(&[HELLO_OK])?;
+            true
+        };
+        w.flush()?;
+        r.get_ref().set_read_timeout(None)?;
+        Ok(accepted)
+    }
+
     fn serve(&self, stream: TcpStream) -> std::io::Result<()> {
         let mut r = BufReader::new(stream.try_clone()?);
         let mut w = BufWriter::new(stream);
+        if !self.handshake(&mut r, &mut w)? {
+            return Ok(());
+        }
         loop {
             let op = match read_u8(&mut r) {
                 Ok(op) => op,
@@ -171,13 +226,16 @@ impl Drop for Server {
     }
 }
 
-fn start_server(bind: IpAddr, port: u16) -> std::io::Result<Server> {
+fn start_server(bind: IpAddr, port: u16, run_id: &str) -> std::io::Result<Server> {
     let listener = TcpListener::bind(SocketAddr::new(bind, port))?;
     let port = listener.local_addr()?.port();
     // Polling lets the thread notice `stop` without a self-connection trick.
     listener.set_nonblocking(true)?;
     let stop = Arc::new(AtomicBool::new(false));
-    let shared = Arc::new(Shared::default());
+    let shared = Arc::new(Shared {
+        run_id: run_id.to_string(),
+        ..Shared::default()
+    });
     let stop2 = stop.clone();
     std::thread::Builder::new()
         .name(format!("store-{port}"))
@@ -209,6 +267,86 @@ fn start_server(bind: IpAddr, port: u16) -> std::io::Result<Server> {
     Ok(Server { stop, port })
 }
 
+/// The client's side of the handshake: sends the hello and checks the answer, waiting at
+/// most `left` (at least a second, so a slow but genuine store is not misjudged).
+fn hello(
+    r: &mut BufReader<TcpStream>,
+    w: &mut BufWriter<TcpStream>,
+    addr: &str,
+    run_id: &str,
+    left: Duration,
+) -> Result<()> {
+    let wait = left.max(Duration::from_secs(1));
+    let fail = |detail: String| CommError::Rendezvous {
+        addr: addr.to_string(),
+        detail,
+    };
+    let not_a_store = |what: String| {
+        fail(format!(
+            "failed: the service at {addr} is not an smp-burn rendezvous store ({what}); \
+             is MASTER_PORT the port rank 0 listens on?"
+        ))
+    };
+    let io = |e: std::io::Error| {
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            not_a_store(format!(
+                "it accepted the connection but sent no handshake within {wait:?}"
+            ))
+        } else if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            not_a_store("it closed the connection at the handshake".into())
+        } else {
+            fail(format!("failed: store handshake: {e}"))
+        }
+    };
+    let send = |w: &mut BufWriter<TcpStream>| -> std::io::Result<()> {
+        w.write_all(MAGIC)?;
+        w.write_all(&PROTOCOL_VERSION.to_le_bytes())?;
+        write_bytes(w, run_id.as_bytes())?;
+        w.flush()
+    };
+    send(w).map_err(io)?;
+    r.get_ref().set_read_timeout(Some(wait)).map_err(io)?;
+    let mut magic = [0u8; 8];
+    let mut got = 0;
+    while got < magic.len() {
+        match r.read(&mut magic[got..]) {
+            Ok(0) if got > 0 => break,
+            Ok(0) => return Err(io(std::io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) => return Err(io(e)),
+        }
+    }
+    if &magic[..got] != MAGIC {
+        let text: String = String::from_utf8_lossy(&magic[..got])
+            .chars()
+            .map(|c| if c.is_control() { '.' } else { c })
+            .collect();
+        return Err(not_a_store(format!("it answered {text:?}")));
+    }
+    let mut version = [0u8; 4];
+    r.read_exact(&mut version).map_err(io)?;
+    let version = u32::from_le_bytes(version);
+    let status = read_u8(r).map_err(io)?;
+    match status {
+        HELLO_OK => Ok(()),
+        HELLO_BAD_VERSION => Err(fail(format!(
+            "failed: the store speaks protocol version {version}, this build speaks \
+             {PROTOCOL_VERSION}: run the same build on every rank"
+        ))),
+        HELLO_OTHER_RUN => {
+            let theirs = read_key(r).map_err(io)?;
+            Err(fail(format!(
+                "failed: the store at {addr} belongs to run {theirs:?}, this rank is in run \
+                 {run_id:?}: two jobs share MASTER_ADDR:MASTER_PORT"
+            )))
+        }
+        other => Err(fail(format!("failed: unknown handshake status {other}"))),
+    }
+}
+
 /// Client of the rendezvous key-value store, optionally also its host.
 ///
 /// Keys are strings, values are bytes. The hosting instance serves other ranks for as long
@@ -232,17 +370,23 @@ impl std::fmt::Debug for Store {
 
 impl Store {
     /// Hosts a store on all interfaces at `port` (0 picks a free one; see [`Store::port`]),
-    /// then connects to it through `host` (the address other ranks use).
+    /// then connects to it through `host` (the address other ranks use). Serves any run.
     pub fn host(host: &str, port: u16, timeout: Duration) -> Result<Store> {
+        Self::host_run(host, port, timeout, "")
+    }
+
+    /// [`Store::host`] for the run `run_id`: clients that name another run are refused, with
+    /// both ids in their error (an empty id on either side skips the check).
+    pub fn host_run(host: &str, port: u16, timeout: Duration, run_id: &str) -> Result<Store> {
         let bind: IpAddr = match host.parse::<IpAddr>() {
             Ok(IpAddr::V6(_)) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
             _ => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
         };
-        let server = start_server(bind, port).map_err(|e| CommError::Rendezvous {
+        let server = start_server(bind, port, run_id).map_err(|e| CommError::Rendezvous {
             addr: format!("{host}:{port}"),
             detail: format!("failed: rank 0 could not listen on port {port}: {e}"),
         })?;
-        let mut store = Store::connect(host, server.port, timeout)?;
+        let mut store = Store::connect_run(host, server.port, timeout, run_id)?;
         store.server = Some(server);
         Ok(store)
     }
@@ -250,6 +394,15 @@ impl Store {
     /// Connects to a store at `host:port`, retrying until `timeout` passes; `timeout` is
     /// also the default wait of [`Store::get`] and [`Store::wait`].
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Store> {
+        Self::connect_run(host, port, timeout, "")
+    }
+
+    /// [`Store::connect`] as a member of the run `run_id` (see [`Store::host_run`]).
+    ///
+    /// # Errors
+    /// Besides an unreachable store: a service at that address that does not answer the
+    /// store's handshake (wrong port), another protocol version, or another run's store.
+    pub fn connect_run(host: &str, port: u16, timeout: Duration, run_id: &str) -> Result<Store> {
         let addr = format!("{host}:{port}");
         let deadline = Instant::now() + timeout;
         let mut last_err = String::from("no attempt made");
@@ -263,10 +416,13 @@ impl Store {
                             Ok(s) => {
                                 s.set_nodelay(true)?;
                                 let local_ip = s.local_addr()?.ip();
-                                let r = BufReader::new(s.try_clone()?);
+                                let mut r = BufReader::new(s.try_clone()?);
+                                let mut w = BufWriter::new(s);
+                                let left = deadline.saturating_duration_since(Instant::now());
+                                hello(&mut r, &mut w, &addr, run_id, left)?;
                                 return Ok(Store {
                                     addr,
-                                    conn: Mutex::new((r, BufWriter::new(s))),
+                                    conn: Mutex::new((r, w)),
                                     local_ip,
                                     timeout,
                                     server: None,
@@ -447,6 +603,52 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_foreign_service_is_named_within_the_timeout() {
+        // A service that accepts and never answers (the wait that used to ignore the timeout).
+        let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = silent.local_addr().unwrap().port();
+        let keep = std::thread::spawn(move || silent.accept().map(|(s, _)| s));
+        let t = Instant::now();
+        let e = Store::connect("127.0.0.1", port, Duration::from_millis(1500))
+            .unwrap_err()
+            .to_string();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(
+            e.contains("not an smp-burn rendezvous store") && e.contains("no handshake"),
+            "{e}"
+        );
+        drop(keep);
+        // A service that answers something else (an HTTP server).
+        let http = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = http.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = http.accept().unwrap();
+            s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+        });
+        let e = Store::connect("127.0.0.1", port, Duration::from_secs(2))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not an smp-burn rendezvous store") && e.contains("HTTP/1.1"),
+            "{e}"
+        );
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn another_runs_store_is_refused_with_both_ids() {
+        let host = Store::host_run("127.0.0.1", 0, Duration::from_secs(2), "job-a").unwrap();
+        let e = Store::connect_run("127.0.0.1", host.port(), Duration::from_secs(2), "job-b")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("job-a") && e.contains("job-b"), "{e}");
+        // Same run, or a client that names no run, gets in.
+        Store::connect_run("127.0.0.1", host.port(), Duration::from_secs(2), "job-a").unwrap();
+        Store::connect("127.0.0.1", host.port(), Duration::from_secs(2)).unwrap();
+    }
 
     #[test]
     fn set_get_add_wait() {

@@ -30,6 +30,7 @@ pub fn cfg(rank: usize, world: usize, port: u16, timeout: Duration) -> Rendezvou
         master_addr: "127.0.0.1".into(),
         master_port: port,
         timeout,
+        run_id: String::new(),
     }
 }
 
