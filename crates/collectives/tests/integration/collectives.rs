@@ -1,6 +1,6 @@
 //! Every collective against a serial reference, on threads and on TCP.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

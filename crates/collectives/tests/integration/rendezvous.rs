@@ -1,6 +1,6 @@
 //! Rendezvous failures must be quick and say exactly what went wrong.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 //! Throughput of large all-reduces; ignored by default (`cargo test --release -p
-//! collectives --test bench -- --ignored --nocapture`).
+//! collectives --test integration bench -- --ignored --nocapture`).
 
-mod common;
+use crate::common;
 
 use std::time::Instant;
 
