@@ -60,8 +60,12 @@ fn read_bytes(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
             format!("store field of {n} bytes exceeds the {MAX_FIELD}-byte limit"),
         ));
     }
-    let mut b = vec![0u8; n as usize];
-    r.read_exact(&mut b)?;
+    // Grown as bytes arrive, so a damaged length costs no gigabyte up front.
+    let mut b = Vec::with_capacity(n.min(1 << 16) as usize);
+    r.take(n).read_to_end(&mut b)?;
+    if (b.len() as u64) < n {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
     Ok(b)
 }
 

@@ -7,3 +7,4 @@ mod collectives;
 mod common;
 mod launcher;
 mod rendezvous;
+mod store_fuzz;
