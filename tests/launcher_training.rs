@@ -45,6 +45,9 @@ fn binaries() -> &'static Binaries {
         cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
             .args(["build", "-p", "collectives", "--bin", "smp-run"])
             .args(["-p", "smp-llama", "--example", "llama2_train"])
+            // Selected as `cargo test --workspace` selects it (with its default features), so
+            // that this build reuses the test build's smp-burn instead of compiling it again.
+            .args(["-p", "smp-burn"])
             .env("CARGO_TARGET_DIR", target_dir);
         // `release` and `debug` are spelled as cargo's own profiles; a custom profile by name.
         match profile {

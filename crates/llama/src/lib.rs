@@ -4,6 +4,7 @@
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod guard;
 pub mod hf;
 pub mod metrics;
 pub mod model;

@@ -117,7 +117,14 @@ impl TextTokenizer {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer file not found"),
             ));
         }
-        let inner = Tokenizer::from_file(path)
+        // The tokenizers crate panics on some damaged files (found by the fuzz tests).
+        let inner = crate::guard::catch(|| Tokenizer::from_file(path))
+            .map_err(|panic| {
+                LlamaError::Tokenizer(format!(
+                    "{} is not a valid tokenizer.json: {panic}",
+                    path.display()
+                ))
+            })?
             .map_err(|e| tok_err(&format!("loading {}", path.display()), e))?;
         for t in &SPECIAL_TOKENS[1..] {
             if inner.token_to_id(t).is_none() {
