@@ -5,10 +5,10 @@
 //! tensors, ordered by context events) and `hostsync` (the same, ordered by host waits). Then
 //! whether a Burn matmul loop overlaps an all-gather loop.
 //!
-//! Sizes follow `shared/baselines/torch_micro.py`: `size` is the full buffer (the all-reduce
-//! buffer, the gathered output, the reduce-scatter input); bus bandwidth as nccl-tests:
-//! all-reduce `size/t * 2(n-1)/n`, all-gather and reduce-scatter `size/t * (n-1)/n`,
-//! broadcast `size/t`. Times are the mean of back-to-back iterations (the slowest rank's).
+//! Sizes follow the PyTorch baseline, `scripts/torch_coll.py`: `size` is the full buffer (the
+//! all-reduce buffer, the gathered output, the reduce-scatter input); bus bandwidth as
+//! nccl-tests: all-reduce `size/t * 2(n-1)/n`, all-gather and reduce-scatter
+//! `size/t * (n-1)/n`, broadcast `size/t`. Times are the mean of back-to-back iterations (the slowest rank's).
 //!
 //! One GPU per thread by default; one process per GPU when `RANK`/`WORLD_SIZE` are set (e.g.
 //! under `torchrun` or `smp-run`). Flags: `--max-mib N` (1024), `--iters N` (20),

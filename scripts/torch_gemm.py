@@ -1,6 +1,7 @@
 """PyTorch's linear-layer GEMM TFLOP/s at the shapes `kernel_bench gemm` times (bf16, H200).
 
-Usage: python3 scripts/torch_gemm.py   (same call as `kernel_bench gemm`, for a ratio)
+Usage: python3 scripts/torch_gemm.py   (beside `kernel_bench gemm` on the same machine, for a
+ratio; scripts/bench.sh runs both)
 """
 import time
 import torch

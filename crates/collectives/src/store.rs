@@ -610,7 +610,7 @@ mod tests {
 
     #[test]
     fn a_foreign_service_is_named_within_the_timeout() {
-        // A service that accepts and never answers (the wait that used to ignore the timeout).
+        // A service that accepts and never answers: the wait must still end at the timeout.
         let silent = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = silent.local_addr().unwrap().port();
         let keep = std::thread::spawn(move || silent.accept().map(|(s, _)| s));

@@ -279,7 +279,7 @@ pub fn load_safetensors_dir(dir: impl AsRef<Path>) -> Result<TensorMap> {
 ///
 /// Only the safetensors headers are read when it is opened; values are read from disk on
 /// demand, one requested range at a time. Each rank of a sharded model reads just its own
-/// chunks: loading a 70B checkpoint no longer means every rank holding all of it in f32.
+/// chunks, so loading a 70B checkpoint does not need every rank to hold all of it in f32.
 #[derive(Debug)]
 pub struct CheckpointReader {
     tensors: BTreeMap<String, StoredTensor>,

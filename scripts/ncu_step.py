@@ -1,7 +1,12 @@
-"""Reads `ncu --csv --metrics gpu__time_duration.sum` output (argv[1]) of a 2-step training run
-and prints one step's GPU time: the kernels after the last AdamW launch of step 1 up to the
-last AdamW launch of step 2 (AdamW launches come in runs at each step's end), grouped by
-kernel family, against argv[2], the step's wall time in ms from an unprofiled run."""
+"""Whether a training step is GPU-bound, and where its device time goes: from ncu's device time
+of every kernel of a 2-step llama2_train run, one step's kernels (after the last AdamW launch of
+step 1 up to the last of step 2: AdamW launches come in runs at each step's end), grouped by
+kernel family, summed against the step's wall time from an unprofiled run.
+
+Usage: ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
+         llama2_train --device cuda --model 1b --steps 2 ... > ncu.csv
+       python3 scripts/ncu_step.py ncu.csv STEP_MS    (STEP_MS: the median step of a plain run)
+"""
 import csv, re, sys
 from collections import OrderedDict
 rows = [r for r in csv.reader(open(sys.argv[1], errors="replace")) if len(r) > 10]

@@ -1,9 +1,9 @@
-"""PyTorch's reference for flash_check: SDPA (flash backend), causal, 32 heads, forward and
-backward timed separately, at the shapes flash_check benches (B=1 and torch_micro's batches),
-head dims 128 and 64. Same FLOP convention as flash_check: forward 4*B*H*S^2*D/2 (causal),
-backward 2.5x the forward.
+"""The PyTorch baseline of our attention benchmark: SDPA (flash backend), causal, 32 heads,
+forward and backward timed separately, at the shapes flash_check benches (`--batch micro`: 8
+sequences at S=4096, 2 at S=16384, the same tokens per call), head dims 128 and 64. Same FLOP
+convention as flash_check: forward 4*B*H*S^2*D/2 (causal), backward 2.5x the forward.
 
-Usage: python3 torch_attn.py [--batch 1|micro] [--lens 4096,16384] [--head-dims 128,64]
+Usage: python3 scripts/torch_attn.py [--batch 1|micro] [--lens 4096,16384] [--head-dims 128,64]
 Prints one line per shape: RESULT|torch|sdpa-flash|B<b>|S|D|fwd_ms|fwd_tflops|bwd_ms|bwd_tflops|fwd_bwd_tflops
 """
 import argparse
@@ -31,7 +31,7 @@ def median_seconds(fn, iters=20, warmup=5):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--batch", default="1", help="a batch size, or 'micro' for torch_micro.py's")
+    p.add_argument("--batch", default="1", help="a batch size, or 'micro': 32768 tokens per call")
     p.add_argument("--lens", default="4096,16384")
     p.add_argument("--head-dims", default="128,64")
     p.add_argument("--heads", type=int, default=32)

@@ -1,7 +1,12 @@
-"""Summarizes `ncu --csv --metrics gpu__time_duration.sum[,dram__bytes_read.sum,dram__bytes_write.sum]`
-output (argv[1]): one line per profiled launch, in launch order: kernel, grid x block, device
-time, and the DRAM bytes and bandwidth when they were collected. (Call DL grouped launches of
-one shape and merged widths that share a grid, so each launch is printed on its own.)"""
+"""Device time and DRAM bandwidth of every profiled launch, in launch order: kernel, grid x
+block, time, and the bytes moved when they were collected. Each launch is printed on its own,
+so that two shapes sharing a grid are not merged. For memory-bound kernels (norms, RoPE,
+SwiGLU, AdamW): their bandwidth against a device-to-device copy's is the figure to watch.
+
+Usage: ncu --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+         PROGRAM ARGS > ncu.csv
+       python3 scripts/ncu_durations.py ncu.csv
+"""
 import csv, sys
 from collections import OrderedDict
 rows = [r for r in csv.reader(open(sys.argv[1], errors='replace')) if len(r) > 14]

@@ -1,5 +1,12 @@
-"""Extracts PTX from CubeCL's CBOR kernel cache (dir argv[1]) into argv[2]/<entry>_<n>.ptx and runs
-`ptxas -v` (argv[3]) on those whose entrypoint matches argv[4], printing registers / spills / smem."""
+"""Registers, spills and shared memory of compiled kernels: extracts the PTX from CubeCL's CBOR
+kernel cache (CACHE_DIR, e.g. the `cache_dir` of SMP_BURN_KERNELS) into OUT_DIR/<entry>_<n>.ptx
+and runs `ptxas -v` on the kernels whose entry point matches REGEX (for sm_90a). A kernel at the
+register limit with spills in its loop, or a ptxas warning that it serializes `wgmma`s, is
+slower than its checks suggest.
+
+Usage: python3 scripts/ptx_dump.py CACHE_DIR OUT_DIR PTXAS REGEX
+  e.g. python3 scripts/ptx_dump.py /tmp/kc /tmp/ptx "$(command -v ptxas)" flash_
+"""
 import os, sys, glob, struct, subprocess, re
 def dec(b, i):
     ib = b[i]; mt, ai = ib >> 5, ib & 31; i += 1
