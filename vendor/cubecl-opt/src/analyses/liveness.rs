@@ -252,7 +252,7 @@ pub mod shared {
                 // smp-burn: in ID order. Iterating the `HashSet` gave each process (std's
                 // `RandomState` is seeded at random) its own shared-memory layout, and so its
                 // own PTX: a flash-attention kernel ran 318 or 335 TFLOP/s from one compile to
-                // the next (smp-burn docs/performance.md, session 14, call ER).
+                // the next (smp-burn's docs/upstream.md).
                 let mut live: Vec<Id> = self.at_block(block).iter().copied().collect();
                 live.sort_unstable();
                 for live_smem in live {
