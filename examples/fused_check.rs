@@ -2,8 +2,7 @@
 //! the reference ops, then measures their bandwidth and the loss's memory, on CUDA device 0.
 //!
 //! `fused_check [check] [bench] [mem] [norm] [--quick] [--iters N]` (default: the first three
-//! parts; `norm` times the RMSNorm backward alone at widths 2048, 4096 and 5120, for sweeps of
-//! `SMP_BURN_NORM_BWD=threads,cubes_per_sm`).
+//! parts; `norm` times the RMSNorm backward alone at widths 2048, 4096 and 5120).
 //!
 //! **check**: for each op, fresh random inputs of several shapes (odd sizes included), run
 //! through `Autodiff<CudaCube>` twice: with every fast path on (the fused op) and with that op's
@@ -31,11 +30,6 @@
 //! least as close to the f32 truth as the bf16 reference is (then the reference's own bf16
 //! intermediates are what differs).
 //!
-//! The RMSNorm backward and RoPE have two kernel versions (`smp_burn::cuda::fused::
-//! legacy_kernels`): both are checked and benchmarked, the legacy ones under the op names
-//! `rms_norm_legacy` and `rope_legacy`; the autodiff step timings (`STEP`) use the version-2
-//! ones unless `SMP_BURN_FUSED_LEGACY=1`.
-//!
 //! **bench**: bf16 at Llama-7B shapes (4096 tokens, hidden 4096, intermediate 11008, 32 heads x
 //! 128): each fused kernel alone (forward, backward) timed between device syncs over N
 //! iterations, its effective bandwidth (bytes the op must read and write / time; RMSNorm's
@@ -62,10 +56,10 @@ use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, backend::Backen
 use cubecl::Runtime;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::CubeDim;
+use smp_burn::KernelConfig;
 use smp_burn::cuda::CudaCube;
-use smp_burn::cuda::flash::{FlashLayout, flash_layout, set_flash_layout};
 use smp_burn::cuda::fused;
-use smp_burn::fast::{FastPaths, set_fast_paths};
+use smp_burn::fast::FastPaths;
 use smp_burn::ops;
 
 type G = CudaCube;
@@ -92,6 +86,11 @@ fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 
 fn randn<const D: usize>(shape: [usize; D], mean: f64, std: f64) -> Tensor<G, D> {
     Tensor::random(shape, Distribution::Normal(mean, std), &device())
+}
+
+/// Makes `p` the fast paths of every later op.
+fn set_fast_paths(p: FastPaths) {
+    KernelConfig::update(|c| c.fast_paths = p).expect("a valid kernel configuration");
 }
 
 /// Everything but the named op's fast path on (the reference run), or everything on.
@@ -193,23 +192,7 @@ fn tol_f32_or(dtype: DType, bf16: f32) -> f32 {
     if dtype == DType::F32 { 1e-4 } else { bf16 }
 }
 
-/// The fused kernels' variants to check and time: the version-2 RMSNorm backward and RoPE
-/// (the default), then the legacy ones (`SMP_BURN_FUSED_LEGACY=1`), as `(op name suffix,
-/// legacy)`.
-const VARIANTS: [(&str, bool); 2] = [("", false), ("_legacy", true)];
-
 fn check_rms_norm(quick: bool) -> bool {
-    let mut ok = true;
-    let initial = fused::legacy_kernels();
-    for (suffix, legacy) in VARIANTS {
-        fused::set_legacy_kernels(legacy);
-        ok &= check_rms_norm_variant(quick, &format!("rms_norm{suffix}"));
-    }
-    fused::set_legacy_kernels(initial);
-    ok
-}
-
-fn check_rms_norm_variant(quick: bool, op: &str) -> bool {
     let mut ok = true;
     let rows: &[usize] = if quick { &[1, 4097] } else { &[1, 7, 4097] };
     for dtype in [DType::BF16, DType::F32] {
@@ -254,7 +237,7 @@ fn check_rms_norm_variant(quick: bool, op: &str) -> bool {
                     ]
                 };
                 ok &= compare(
-                    op,
+                    "rms_norm",
                     dtype,
                     &format!("rows{r}_h{h}"),
                     |p| p.norm = false,
@@ -319,23 +302,6 @@ fn check_swiglu(quick: bool) -> bool {
 
 fn check_rope(quick: bool) -> bool {
     let mut ok = true;
-    let initial = fused::legacy_kernels();
-    // The RoPE backward writes dx in x's dimension order under FlashLayout::Bshd (the
-    // default) and contiguous under Bhsd (SMP_BURN_FLASH_LAYOUT): both are checked.
-    for layout in [FlashLayout::Bshd, FlashLayout::Bhsd] {
-        set_flash_layout(Some(layout));
-        for (suffix, legacy) in VARIANTS {
-            fused::set_legacy_kernels(legacy);
-            ok &= check_rope_variant(quick, &format!("rope{suffix}/{}", layout.name()));
-        }
-    }
-    set_flash_layout(None);
-    fused::set_legacy_kernels(initial);
-    ok
-}
-
-fn check_rope_variant(quick: bool, op: &str) -> bool {
-    let mut ok = true;
     // (batch, heads, seq, head_dim, the model's strided layout)
     let shapes: &[(usize, usize, usize, usize, bool)] = if quick {
         &[(2, 3, 7, 64, true), (1, 32, 4097, 128, true)]
@@ -345,7 +311,7 @@ fn check_rope_variant(quick: bool, op: &str) -> bool {
             (2, 3, 7, 64, true),
             (1, 4, 33, 6, false),
             (2, 8, 129, 128, false),
-            // Heads not a multiple of the 4 a version-2 thread rotates; grouped-query k.
+            // Heads not a multiple of the 4 a thread rotates; grouped-query k.
             (1, 5, 17, 32, true),
             (2, 8, 65, 128, true),
             (1, 32, 4097, 128, true),
@@ -373,13 +339,13 @@ fn check_rope_variant(quick: bool, op: &str) -> bool {
                     .sum()
                     .backward();
                 let dx = xa.grad(&grads).expect("dx");
-                // Under Bshd the fused backward writes dx in x's order, so the gradient of
-                // the [b, s, h, d] leaf comes back through swap_dims without a copy: contiguous.
-                if fast && strided && flash_layout() == FlashLayout::Bshd {
+                // The fused backward writes dx in x's order, so the gradient of the
+                // [b, s, h, d] leaf comes back through swap_dims without a copy: contiguous.
+                if fast && strided {
                     let prim = dx.clone().into_primitive().tensor();
                     assert!(
                         prim.is_contiguous(),
-                        "{op}: dx of the strided case not in x's order: shape {:?} strides {:?}",
+                        "rope: dx of the strided case not in x's order: shape {:?} strides {:?}",
                         prim.meta.shape(),
                         prim.meta.strides()
                     );
@@ -394,7 +360,7 @@ fn check_rope_variant(quick: bool, op: &str) -> bool {
                 ]
             };
             ok &= compare(
-                op,
+                "rope",
                 dtype,
                 &format!(
                     "b{b}_h{h}_s{s}_d{d}{}",
@@ -666,31 +632,20 @@ fn bench(iters: usize) {
         iters,
     );
     let (_, inv) = fused::rms_norm_forward(xp.clone(), wp.clone(), EPS);
-    let initial = fused::legacy_kernels();
-    for (suffix, legacy) in VARIANTS {
-        fused::set_legacy_kernels(legacy);
-        let bwd = time_ms(iters, || {
-            let _ = fused::rms_norm_backward(
-                xp.clone(),
-                wp.clone(),
-                inv.clone(),
-                dyp.clone(),
-                true,
-                None,
-            );
-        });
-        bw_line(
-            &format!("rms_norm{suffix}"),
-            "bwd",
-            "-",
-            3 * act + 2 * hidden * e + tokens * 4,
-            bwd,
-            None,
-            iters,
-        );
-    }
+    let bwd = time_ms(iters, || {
+        let _ =
+            fused::rms_norm_backward(xp.clone(), wp.clone(), inv.clone(), dyp.clone(), true, None);
+    });
+    bw_line(
+        "rms_norm",
+        "bwd",
+        "-",
+        3 * act + 2 * hidden * e + tokens * 4,
+        bwd,
+        None,
+        iters,
+    );
     // Adding into the residual stream's gradient: `fused_check norm`.
-    fused::set_legacy_kernels(initial);
     let g = randn([tokens, hidden], 0.0, 1.0).cast(bf);
     let leaf = |t: &Tensor<G, 2>| Tensor::<Ad, 2>::from_inner(t.clone()).require_grad();
     let run = || {
@@ -749,37 +704,31 @@ fn bench(iters: usize) {
         let view = |t: Tensor<G, 4>| if strided { t.swap_dims(1, 2) } else { t };
         let q = view(base.clone());
         let qp = q.clone().into_primitive().tensor();
-        let initial = fused::legacy_kernels();
         set_fast_paths(off(|p| p.rope = false));
         let ref_fwd = time_ms(iters, || {
             let _ = ops::rope(q.clone(), cos.clone(), sin.clone());
         });
         set_fast_paths(FastPaths::ALL);
-        for (suffix, legacy) in VARIANTS {
-            fused::set_legacy_kernels(legacy);
-            let op = format!("rope{suffix}");
-            let fwd = time_ms(iters, || {
-                let _ = fused::rope_apply(qp.clone(), &cos_t, &sin_t, false);
+        let fwd = time_ms(iters, || {
+            let _ = fused::rope_apply(qp.clone(), &cos_t, &sin_t, false);
+        });
+        bw_line(
+            "rope",
+            "fwd",
+            layout,
+            2 * act + tables,
+            fwd,
+            Some(ref_fwd),
+            iters,
+        );
+        if !strided {
+            // The backward's input is the upstream gradient, contiguous in either layout.
+            let gp = g.clone().into_primitive().tensor();
+            let bwd = time_ms(iters, || {
+                let _ = fused::rope_apply(gp.clone(), &cos_t, &sin_t, true);
             });
-            bw_line(
-                &op,
-                "fwd",
-                layout,
-                2 * act + tables,
-                fwd,
-                Some(ref_fwd),
-                iters,
-            );
-            if !strided {
-                // The backward's input is the upstream gradient, contiguous in either layout.
-                let gp = g.clone().into_primitive().tensor();
-                let bwd = time_ms(iters, || {
-                    let _ = fused::rope_apply(gp.clone(), &cos_t, &sin_t, true);
-                });
-                bw_line(&op, "bwd", layout, 2 * act + tables, bwd, None, iters);
-            }
+            bw_line("rope", "bwd", layout, 2 * act + tables, bwd, None, iters);
         }
-        fused::set_legacy_kernels(initial);
         let run = || {
             let xa = Tensor::<Ad, 4>::from_inner(base.clone()).require_grad();
             let xa = if strided { xa.swap_dims(1, 2) } else { xa };
@@ -800,11 +749,10 @@ fn bench(iters: usize) {
 // ------------------------------------------------------------------------------------------
 
 /// The RMSNorm backward alone at the Llama widths (1b: 2048, 7B: 4096, 13B: 5120), plain and
-/// adding into a gradient (fast path `accumulate`), for sweeps of `SMP_BURN_NORM_BWD`.
+/// adding into a gradient (fast path `accumulate`).
 fn bench_norm_bwd(iters: usize) {
     let tokens = 4096usize;
     let bf = DType::BF16;
-    fused::set_legacy_kernels(false);
     for hidden in [2048usize, 4096, 5120] {
         let x = randn([tokens, hidden], 0.0, 1.0).cast(bf);
         let w = randn([hidden], 1.0, 0.1).cast(bf);

@@ -32,7 +32,7 @@ use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use half::bf16;
 use smp_burn::cuda::CudaCube;
 use smp_burn::cuda::adamw::{AdamWStep, adamw_step, weighted_sq_sum};
-use smp_burn::fast::{FastPaths, set_fast_paths};
+use smp_burn::fast::FastPaths;
 use smp_burn::ops;
 use smp_burn::optim::RunRates;
 
@@ -123,7 +123,7 @@ fn check() -> bool {
             let to_cpu3 = |t: &Tensor<B, 3>| Tensor::<Cpu, 3>::from_data(t.to_data(), &cpu);
             let wc = Tensor::<Cpu, 2>::from_data(w.to_data(), &cpu);
             let reference = linear_grads(&to_cpu3(&x), &wc, &to_cpu3(&r), DType::F32);
-            set_fast_paths(FastPaths::ALL);
+            smp_burn::KernelConfig::update(|c| c.fast_paths = FastPaths::ALL).unwrap();
             let ours = linear_grads(&x, &w, &r, dtype);
             let e: Vec<f32> = (0..3).map(|i| rel_err(&ours[i], &reference[i])).collect();
             let pass = e.iter().all(|&v| v <= tol);
@@ -168,10 +168,13 @@ fn check_xent() -> bool {
         );
         // The loss and both gradients, left on the device.
         let run = |xent: bool| {
-            set_fast_paths(FastPaths {
-                xent,
-                ..FastPaths::ALL
-            });
+            smp_burn::KernelConfig::update(|c| {
+                c.fast_paths = FastPaths {
+                    xent,
+                    ..FastPaths::ALL
+                }
+            })
+            .unwrap();
             let xa = Tensor::<Ad, 2>::from_inner(x.clone()).require_grad();
             let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
             let targets = Tensor::from_inner(targets.clone());
@@ -209,7 +212,7 @@ fn check_xent() -> bool {
             if pass { "ok" } else { "FAIL" }
         );
     }
-    set_fast_paths(FastPaths::ALL);
+    smp_burn::KernelConfig::update(|c| c.fast_paths = FastPaths::ALL).unwrap();
     ok
 }
 
@@ -240,10 +243,13 @@ fn check_embedding() -> bool {
         let r = Tensor::<B, 3>::random([1, tokens, dim], Distribution::Normal(0.0, 1.0), &dev)
             .cast(dtype);
         let run = |embed: bool| {
-            set_fast_paths(FastPaths {
-                embed,
-                ..FastPaths::ALL
-            });
+            smp_burn::KernelConfig::update(|c| {
+                c.fast_paths = FastPaths {
+                    embed,
+                    ..FastPaths::ALL
+                }
+            })
+            .unwrap();
             let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
             let y = ops::embedding(wa.clone(), Tensor::from_inner(ids.clone()));
             let g = (y * Tensor::from_inner(r.clone())).sum().backward();
@@ -280,7 +286,7 @@ fn check_embedding() -> bool {
             if pass { "ok" } else { "FAIL" }
         );
     }
-    set_fast_paths(FastPaths::ALL);
+    smp_burn::KernelConfig::update(|c| c.fast_paths = FastPaths::ALL).unwrap();
     ok
 }
 
@@ -305,11 +311,14 @@ fn check_attention() -> bool {
         let (q, k, v) = (rnd([b, hq, s, d]), rnd([b, hkv, s, d]), rnd([b, hkv, s, d]));
         let r = Tensor::<B, 4>::random([b, hq, s, d], Distribution::Normal(0.0, 1.0), &dev);
         let run = |dtype: DType, fast: bool| -> [Vec<f32>; 4] {
-            set_fast_paths(if fast {
-                FastPaths::ALL
-            } else {
-                FastPaths::NONE
-            });
+            smp_burn::KernelConfig::update(|c| {
+                c.fast_paths = if fast {
+                    FastPaths::ALL
+                } else {
+                    FastPaths::NONE
+                }
+            })
+            .unwrap();
             let leaf = |t: &Tensor<B, 4>| {
                 Tensor::<Ad, 4>::from_inner(t.clone().cast(dtype)).require_grad()
             };
@@ -324,7 +333,7 @@ fn check_attention() -> bool {
                 host(ka.grad(&g).expect("dk")),
                 host(va.grad(&g).expect("dv")),
             ];
-            set_fast_paths(FastPaths::ALL);
+            smp_burn::KernelConfig::update(|c| c.fast_paths = FastPaths::ALL).unwrap();
             out
         };
         let ours = run(DType::BF16, true);
@@ -818,7 +827,7 @@ fn gemm() {
         let flop = 2.0 * (m * n * k) as f64;
         let x = Tensor::<B, 2>::random([m, k], Distribution::Default, &dev).cast(DType::BF16);
         let w = Tensor::<B, 2>::random([n, k], Distribution::Default, &dev).cast(DType::BF16);
-        set_fast_paths(FastPaths::ALL);
+        smp_burn::KernelConfig::update(|c| c.fast_paths = FastPaths::ALL).unwrap();
         // With the host's issue time: under the device time per call, any gap to the direct
         // call is on the GPU (the stream crossings), not in the host.
         let (ours, issue) = time_and_issue(20, || {
@@ -832,12 +841,12 @@ fn gemm() {
             let y = ops::linear(xa.clone(), wa.clone());
             let _ = y.backward();
         });
-        set_fast_paths(FastPaths::NONE);
+        smp_burn::KernelConfig::update(|c| c.fast_paths = FastPaths::NONE).unwrap();
         let wt = w.clone().transpose();
         let burn = time(10, || {
             let _ = x.clone().matmul(wt.clone());
         });
-        set_fast_paths(FastPaths::ALL);
+        smp_burn::KernelConfig::update(|c| c.fast_paths = FastPaths::ALL).unwrap();
         // cuBLAS directly on raw buffers, same GEMM (y^T = w x^T in column-major terms).
         let a = stream.alloc_zeros::<bf16>(m * k).unwrap();
         let bw = stream.alloc_zeros::<bf16>(n * k).unwrap();
@@ -909,7 +918,7 @@ fn gemm_fb() {
     let w = Tensor::<B, 2>::random([n, k], Distribution::Default, &dev).cast(DType::BF16);
     let xa = Tensor::<Ad, 2>::from_inner(x).require_grad();
     let wa = Tensor::<Ad, 2>::from_inner(w).require_grad();
-    set_fast_paths(FastPaths::ALL);
+    smp_burn::KernelConfig::update(|c| c.fast_paths = FastPaths::ALL).unwrap();
     for with_sum in [true, false] {
         let iters = 10;
         let (mut build, mut backward, mut wait) = (0.0, 0.0, 0.0);

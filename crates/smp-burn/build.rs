@@ -3,7 +3,7 @@
 //! CubeCL keys its on-disk PTX cache by a kernel's type name and launch settings, not by its
 //! code, and namespaces it by CubeCL's version only. A kernel edited in smp-burn (or changed by
 //! an upgrade) would load the PTX of its previous version from the cache: stale code, and with
-//! changed parameters, wrong memory accesses. `SMP_BURN_SOURCE_FINGERPRINT` names the cache
+//! changed parameters, wrong memory accesses. `KERNEL_SOURCE_FINGERPRINT` names the cache
 //! folder after the sources instead (see `cuda::kernel_cache`), and after the workspace's
 //! `Cargo.lock` where there is one, so that a Burn upgrade under the same CubeCL version does
 //! not reuse Burn's old kernels either (a published smp-burn pins Burn exactly, so there its
@@ -64,7 +64,7 @@ fn main() {
             fnv1a(&mut hash, &std::fs::read(file).unwrap_or_default());
         }
     }
-    println!("cargo:rustc-env=SMP_BURN_SOURCE_FINGERPRINT={hash:016x}");
+    println!("cargo:rustc-env=KERNEL_SOURCE_FINGERPRINT={hash:016x}");
     // The vendored CubeCL crates announce what they add (`links` metadata); upstream's do not.
     cfg_from_dep(
         "cubecl_bulk_reduce",

@@ -226,7 +226,7 @@ fn cuda<IB: smp_burn::cuda::CudaTensors>(
     text: &[u8],
 ) -> Result<(f64, f64), smp_burn::SmpError> {
     let mesh =
-        smp_burn::cuda::nccl_mesh::<IB>(world, &parallel_config(args, Precision::Bf16), rank)?;
+        smp_burn::mesh::nccl_mesh::<IB>(world, &parallel_config(args, Precision::Bf16), rank)?;
     let device = burn::backend::cuda::CudaDevice::new(rank);
     train::<Autodiff<IB>>(args, mesh, &device, text)
 }

@@ -20,7 +20,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_ndarray::NdArray;
 
-use crate::fast::same;
+use crate::downcast::same;
 
 /// Hands the gradient kept in its state to its only parent, ignoring the seed it receives.
 #[derive(Debug)]

@@ -69,7 +69,7 @@ pub struct ParallelConfig {
     /// gradient reduce-scatter runs beside the previous unit's backward (one pending at a
     /// time). Deeper prefetch is not supported. The default is 1 (as PyTorch FSDP2's implicit
     /// prefetch): it holds one more unit's gathered parameters and made 7B on 2 H200s 5-6 %
-    /// faster (call AC).
+    /// faster.
     pub prefetch_depth: usize,
 }
 

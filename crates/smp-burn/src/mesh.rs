@@ -143,6 +143,26 @@ impl<IB: Backend> Mesh<IB> {
     }
 }
 
+/// The mesh `config` asks for with NCCL collectives on CUDA device `gpu` (groups of one rank
+/// need none). Collective over `world`.
+///
+/// # Errors
+/// Degrees that do not fit the world, or an NCCL communicator that cannot be created.
+#[cfg(feature = "cuda")]
+pub fn nccl_mesh<B: crate::cuda::CudaTensors>(
+    world: Arc<dyn Communicator>,
+    config: &ParallelConfig,
+    gpu: usize,
+) -> Result<Mesh<B>, SmpError> {
+    Mesh::new(world, config, &mut |host| {
+        Ok(if host.world_size() == 1 {
+            Arc::new(HostTensorComm::new(host)) as Arc<dyn TensorComm<B>>
+        } else {
+            Arc::new(crate::cuda::CudaTensorComm::new(host.as_ref(), gpu)?)
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

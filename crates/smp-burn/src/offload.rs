@@ -84,7 +84,7 @@ pub fn offload<B: Backend, const D: usize>(
     let device = t.device();
     #[cfg(feature = "cuda")]
     let state = if std::any::TypeId::of::<B>() == std::any::TypeId::of::<CudaCube>() {
-        let t: Tensor<CudaCube, D> = crate::fast::same(t);
+        let t: Tensor<CudaCube, D> = crate::downcast::same(t);
         let prim = burn_cubecl::kernel::into_contiguous(t.into_primitive().tensor());
         let bytes = prim.meta.num_elements() * dtype.size();
         State::Copying(queue_cuda_read(prim, bytes)?)
@@ -156,12 +156,12 @@ impl<B: Backend, const D: usize> HostActivation<B, D> {
             #[cfg(feature = "cuda")]
             State::CudaHost(bytes) => {
                 // `CudaHost` exists only when `B` is `CudaCube`.
-                let device: burn::tensor::Device<CudaCube> = crate::fast::same(self.device);
+                let device: burn::tensor::Device<CudaCube> = crate::downcast::same(self.device);
                 let prim = queue_cuda_upload(&device, bytes, self.shape, self.dtype);
                 let t = Tensor::<CudaCube, D>::from_primitive(
                     burn::tensor::TensorPrimitive::Float(prim),
                 );
-                Ok(crate::fast::same(t))
+                Ok(crate::downcast::same(t))
             }
             State::Host(data) => Ok(Tensor::from_data(data, (&self.device, self.dtype))),
             _ => unreachable!("settle leaves the values in host memory"),

@@ -4,6 +4,8 @@
 //! them honest in CI), and differentiate through Burn's autodiff. Conventions follow Hugging
 //! Face's Llama so that checkpoints and logits carry over unchanged.
 
+use std::any::TypeId;
+
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -14,6 +16,7 @@ use burn::tensor::{
     activation::{log_softmax, silu, softmax},
     backend::Backend,
 };
+use burn_ndarray::NdArray;
 
 /// `x @ w^T` for a weight stored as `[out_features, in_features]` (PyTorch's layout), so
 /// Hugging Face weights need no transpose on import or export. On CUDA this runs through
@@ -165,7 +168,7 @@ pub fn linear_cross_entropy<B: Backend>(
     weight: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
 ) -> Tensor<B, 1> {
-    if let Some(loss) = crate::fast::linear_cross_entropy(&x, &weight, &targets) {
+    if let Some(loss) = fast_linear_cross_entropy(&x, &weight, &targets) {
         return loss;
     }
     cross_entropy(linear(x, weight), targets)
@@ -214,7 +217,7 @@ pub fn linear_cross_entropy_chunked<B: Backend>(
     chunk_tokens: usize,
 ) -> Tensor<B, 1> {
     check_lce_shapes(&x, &weight, &targets, chunk_tokens);
-    if let Some(loss) = crate::fast::lce_autodiff(&x, &weight, &targets, chunk_tokens) {
+    if let Some(loss) = lce_autodiff(&x, &weight, &targets, chunk_tokens) {
         return loss;
     }
     lce_forward(x, weight, targets, chunk_tokens, false).0
@@ -500,9 +503,94 @@ pub fn linear_cross_entropy_autodiff<B: Backend>(
     Tensor::from_primitive(TensorPrimitive::Float(out))
 }
 
+/// `linear_cross_entropy` through the chunked loss ([`linear_cross_entropy_chunked`]
+/// with [`default_loss_chunk_tokens`], or on CUDA with the fused softmax
+/// [`loss_chunk_tokens`] at the logits' own size) on the backends it was checked on: the
+/// CUDA backend and `NdArray<f32>`, each with and without autodiff. `None` means "use the
+/// reference".
+fn fast_linear_cross_entropy<B: Backend>(
+    x: &Tensor<B, 2>,
+    w: &Tensor<B, 2>,
+    targets: &Tensor<B, 1, Int>,
+) -> Option<Tensor<B, 1>> {
+    let [tokens, _] = x.dims();
+    let [vocab, _] = w.dims();
+    let b = TypeId::of::<B>();
+    let on_ndarray =
+        b == TypeId::of::<Autodiff<NdArray<f32>>>() || b == TypeId::of::<NdArray<f32>>();
+    let on_cuda = crate::fast::is_cuda::<B>();
+    if !crate::fast::fast_paths().loss
+        || tokens == 0
+        || x.dtype() != w.dtype()
+        || !(on_cuda || on_ndarray)
+    {
+        return None;
+    }
+    let chunk_tokens = if on_cuda && crate::fast::fast_paths().xent {
+        loss_chunk_tokens(vocab, x.dtype().size())
+    } else {
+        default_loss_chunk_tokens(vocab)
+    };
+    Some(linear_cross_entropy_chunked(
+        x.clone(),
+        w.clone(),
+        targets.clone(),
+        chunk_tokens,
+    ))
+}
+
+/// The chunked loss as one autodiff op ([`linear_cross_entropy_autodiff`]) when `B` is
+/// `Autodiff<I>` for an inner backend `I` we can name: the CUDA backend or `NdArray<f32>`. Rust
+/// cannot name the inner backend of an arbitrary `B`, hence the list.
+fn lce_autodiff<B: Backend>(
+    x: &Tensor<B, 2>,
+    w: &Tensor<B, 2>,
+    targets: &Tensor<B, 1, Int>,
+    chunk_tokens: usize,
+) -> Option<Tensor<B, 1>> {
+    fn on<B: Backend, I: Backend>(
+        x: &Tensor<B, 2>,
+        w: &Tensor<B, 2>,
+        targets: &Tensor<B, 1, Int>,
+        chunk_tokens: usize,
+    ) -> Option<Tensor<B, 1>> {
+        (TypeId::of::<B>() == TypeId::of::<Autodiff<I>>()).then(|| {
+            crate::downcast::same(linear_cross_entropy_autodiff::<I>(
+                crate::downcast::same(x.clone()),
+                crate::downcast::same(w.clone()),
+                crate::downcast::same(targets.clone()),
+                chunk_tokens,
+            ))
+        })
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(loss) = on::<B, crate::cuda::CudaCube>(x, w, targets, chunk_tokens)
+        .or_else(|| on::<B, crate::cuda::bridge::FusedCuda>(x, w, targets, chunk_tokens))
+    {
+        return Some(loss);
+    }
+    on::<B, NdArray<f32>>(x, w, targets, chunk_tokens)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunked_loss_op_serves_autodiff_ndarray_only() {
+        type B = burn_ndarray::NdArray<f32>;
+        let dev = Default::default();
+        let t = Tensor::<B, 1, Int>::from_ints([0, 2], &dev);
+        let x = Tensor::<B, 2>::ones([2, 3], &dev);
+        let w = Tensor::<B, 2>::ones([4, 3], &dev);
+        // The plain backend has no autodiff op; its chunked forward is called directly.
+        assert!(lce_autodiff(&x, &w, &t, 1).is_none());
+        type Ad = Autodiff<B>;
+        let xa = Tensor::<Ad, 2>::from_inner(x).require_grad();
+        let wa = Tensor::<Ad, 2>::from_inner(w).require_grad();
+        let ta = Tensor::<Ad, 1, Int>::from_inner(t);
+        assert!(lce_autodiff(&xa, &wa, &ta, 1).is_some());
+    }
     use burn::tensor::TensorData;
     use burn_ndarray::NdArray;
 

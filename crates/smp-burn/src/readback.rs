@@ -4,7 +4,7 @@
 //! host wait until the GPU has run everything queued, so the GPU then sits idle while the host
 //! queues the first kernels of the next step, and the forward pass (many small ops) is issued
 //! no faster than the GPU runs it. On a 1.2B model on one H200 that cost 5-10 ms of a 100 ms
-//! step: ncu counted 90.7 ms of GPU time in steps of 95-102 ms (session 6, call BB).
+//! step: Nsight Compute counted 90.7 ms of GPU time in steps of 95-102 ms.
 //!
 //! [`read_later`] queues the device-to-host copy now, on Burn's stream behind the work that
 //! produces the value, and [`PendingRead::wait`] blocks only until that copy is done. Waited for
@@ -75,7 +75,7 @@ pub fn read_later<B: Backend>(t: Tensor<B, 1>) -> Result<PendingRead, SmpError> 
 fn cuda_buffer<B: Backend>(t: &Tensor<B, 1>) -> Option<crate::cuda::bridge::Cube> {
     use crate::cuda::CudaTensors;
     use crate::cuda::bridge::{FusedCuda, Served, served};
-    use crate::fast::same;
+    use crate::downcast::same;
     let prim = t.clone().into_primitive().tensor();
     match served::<B>() {
         Some(Served::Cube) => Some(same(prim)),

@@ -2,7 +2,7 @@
 //!
 //! Upstream cubecl-opt 0.10 assigns shared-memory offsets while iterating a `HashSet` seeded at
 //! random, so every process compiled each kernel differently, and the flash forward ran 318 or
-//! 335 TFLOP/s by chance (docs/performance.md, session 14). `vendor/cubecl-opt` allocates in
+//! 335 TFLOP/s by chance. `vendor/cubecl-opt` allocates in
 //! ID order. These tests fail with upstream's order: each optimizer's `HashSet` gets new
 //! random keys, so six arrays come out in ID order by chance once in 720 runs.
 

@@ -6,8 +6,7 @@
 //! `DisaggregateArray` turns every array whose indices are all constants into scalars; it does
 //! not see an operation that takes the array whole, so the `wgmma` would write an array nobody
 //! reads and the softmax would read the zeros it started from. `vendor/cubecl-opt` keeps such
-//! arrays whole. The flash forward's GPU checks caught nothing here only because of that guard
-//! (docs/performance.md, session 18); these tests keep it in CI, which has no GPU.
+//! arrays whole; these tests keep that guard in CI, which has no GPU.
 #![cfg(cubecl_wgmma)]
 
 use cubecl::ir::{

@@ -64,9 +64,9 @@ pub struct AdamWStep {
 }
 
 /// One thread per vector of `N` elements: the reference update of
-/// `fsdp::ShardedUnit::optimizer_step` under AdamW, fused. With `write_copy` it also writes the updated weights
-/// in the compute dtype to `copy`, the next forward's all-gather input: a separate cast would
-/// read the four-byte weights again (about 1.4 ms of a 1.2B model's step).
+/// `fsdp::ShardedUnit::optimizer_step` under AdamW, fused. With `write_copy` it also writes the
+/// updated weights in the compute dtype to `copy`, the next forward's all-gather input: a
+/// separate cast would read the four-byte weights again (about 1.4 ms of a 1.2B model's step).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn adamw_kernel<G: Float, C: Float, N: Size>(

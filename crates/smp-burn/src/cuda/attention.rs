@@ -9,13 +9,17 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::backend::Autodiff;
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn_cuda::CudaDevice;
+use cubecl::Runtime;
+use cubecl::cuda::CudaRuntime;
 
 use super::bridge::{Arg, Cube, CubeFn, CubeInner};
-use super::flash::{flash_backward, flash_forward};
+use super::device::cuda_compute_capability;
+use super::flash::{self, flash_backward, flash_forward, mma_async_supported, mma_supported};
 
 /// Whether the flash kernels take these inputs: half-precision floats, head dim 64 or 128,
 /// equal query and key lengths, whole groups of query heads per key/value head.
@@ -27,6 +31,24 @@ pub fn supports(q: &[usize; 4], k: &[usize; 4], dtype: DType) -> bool {
         && q[2] == k[2]
         && k[1] > 0
         && q[1].is_multiple_of(k[1])
+}
+
+/// Whether CUDA device `device` runs the flash kernels on `dtype` inputs: `mma.sync` m16n8k16,
+/// `ldmatrix` and `cp.async` (sm_80 and later). Elsewhere attention takes the reference ops.
+/// Asked once per device and dtype.
+pub fn device_supports(device: &CudaDevice, dtype: DType) -> bool {
+    static KNOWN: Mutex<Vec<(usize, DType, bool)>> = Mutex::new(Vec::new());
+    let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&(_, _, yes)) = known
+        .iter()
+        .find(|(index, d, _)| *index == device.index && *d == dtype)
+    {
+        return yes;
+    }
+    let client = CudaRuntime::client(device);
+    let yes = mma_supported(&client, dtype) && mma_async_supported(&client);
+    known.push((device.index, dtype, yes));
+    yes
 }
 
 fn scale(head_dim: usize) -> f32 {
@@ -157,4 +179,47 @@ pub fn causal_attention_plain<I: CubeInner>(
         s,
     );
     Tensor::from_primitive(TensorPrimitive::Float(o))
+}
+
+/// The attention kernels that run at `head_dim` on CUDA device 0, for the trainer's log: the
+/// forward and backward kernels ([`crate::KernelConfig`]'s, else the device's defaults), and
+/// whether the backward's dQ is bitwise reproducible. Why: the defaults on sm_90 sum dQ with
+/// atomics or bulk reductions (faster, run-to-run rounding differences, as PyTorch's flash
+/// backward), and a user comparing two runs' losses should see that up front; and which
+/// kernels run depends on the device and the build.
+pub fn attention_summary(head_dim: usize) -> String {
+    // The driver's compute capability, not a CubeCL client: a client would open a context on
+    // GPU 0 in every process of a multi-process launch. CubeCL reports f32-pair atomics
+    // (`flash::pair_atomics_supported`) and TMA (`flash::wgmma_supported`) from sm_90 on.
+    let sm90 = cuda_compute_capability(0).is_some_and(|(major, _)| major >= 9);
+    let config = crate::KernelConfig::current();
+    // Contiguous bf16 attention inputs at head dim 64 or 128 have the 16-byte rows the
+    // warpgroup kernels need.
+    let forward = config
+        .flash_forward
+        .unwrap_or_else(|| flash::default_forward(head_dim, flash::WGMMA_BUILT && sm90));
+    let backward = flash::choose_backward(
+        config.flash_backward,
+        config.deterministic,
+        head_dim,
+        true,
+        sm90,
+        flash::WGMMA_BUILT && flash::BULK_REDUCE_BUILT && sm90,
+    );
+    // Hopper's copy engine comes with sm_90, as the pair atomics do.
+    let bulk = backward == crate::FlashBackward::Wgmma || (flash::BULK_REDUCE_BUILT && sm90);
+    let reproducible = if backward.deterministic() {
+        "deterministic"
+    } else if bulk {
+        "dQ summed by bulk asynchronous reductions, not bitwise reproducible; \
+         SMP_BURN_KERNELS=deterministic for the deterministic kernels"
+    } else {
+        "dQ summed with atomics, not bitwise reproducible; SMP_BURN_KERNELS=deterministic \
+         for the deterministic kernels"
+    };
+    format!(
+        "attention (head dim {head_dim}): forward {}; backward {}, {reproducible}",
+        forward.name(),
+        backward.name()
+    )
 }

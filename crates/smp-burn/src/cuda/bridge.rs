@@ -22,7 +22,7 @@ use burn_fusion::{Fusion, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 use cubecl::cuda::CudaRuntime;
 
-use super::CudaCube;
+use super::device::CudaCube;
 
 /// A CubeCL CUDA buffer: what every kernel takes and returns.
 pub type Cube = CubeTensor<CudaRuntime>;

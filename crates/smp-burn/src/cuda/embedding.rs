@@ -2,8 +2,8 @@
 //!
 //! Burn 0.21 computes it with `select_assign` on a zeroed table: one thread per embedding
 //! column, each walking every token in turn and adding in the table's dtype. On a 1.2B model
-//! that is 2,048 threads for 4,096 tokens, 1.6 ms per step on an H200 (call AA's profile), and
-//! a token that repeats accumulates its gradient in bf16. Here one cube per token checks
+//! that is 2,048 threads for 4,096 tokens, 1.6 ms per step on an H200, and a token that
+//! repeats accumulates its gradient in bf16. Here one cube per token checks
 //! whether an earlier token has the same id; the first occurrence ("owner") sums the gradient
 //! rows of every later occurrence in token order in f32 and writes the row once, so the
 //! result does not depend on scheduling (no atomics) and rounds once.

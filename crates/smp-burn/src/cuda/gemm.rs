@@ -1,13 +1,14 @@
 //! Linear layers through cuBLAS on Burn's own CUDA buffers, inside Burn's autodiff.
 //!
 //! Burn 0.21's CubeCL matmul reaches 185-217 TFLOP/s on Llama shapes where cuBLAS reaches
-//! 724-809 on the same H200 (DESIGN.md), and the GEMMs are three quarters of a transformer's
-//! FLOPs. Here the forward `y = x w^T` and both backward GEMMs (`dx = dy w`, `dw = dy^T x`) run
-//! through `cublasGemmEx` (bf16 or f32 inputs, f32 accumulation, output in the input dtype) on a
-//! stream of our own, ordered with Burn's kernels by context events (no host wait; see
-//! [`StreamBridge`]). The GEMMs are issued as tasks on CubeCL's device-server thread, in queue
-//! order with Burn's kernel launches, so the thread building the graph never waits for them;
-//! that thread keeps the device's one cuBLAS handle and bridge.
+//! 724-809 on the same H200, and the GEMMs are three quarters of a transformer's FLOPs. Here the
+//! forward `y = x w^T` and both backward GEMMs (`dx = dy w`, `dw = dy^T x`) run through
+//! `cublasGemmEx` (bf16 or f32 inputs, f32 accumulation, output in the input dtype). The GEMMs
+//! are issued as tasks on CubeCL's device-server thread, in queue order with Burn's kernel
+//! launches, so the thread building the graph never waits for them; that thread keeps the
+//! device's cuBLAS handles. With the workspace's vendored cubecl-cuda they run on Burn's own
+//! CUDA stream; otherwise on a stream of ours, ordered with Burn's kernels on the GPU by context
+//! events or a signal kernel (no host wait).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -38,7 +39,8 @@ use cudarc::driver::sys as ds;
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
 use super::bridge::{Arg, Cube, CubeFn, CubeInner};
-use super::{CudaCube, StreamBridge, cuda_err};
+use super::device::{CudaCube, cuda_err};
+use super::nccl::{StreamBridge, collectives_issued};
 use crate::error::SmpError;
 
 /// The autodiff backend the fast paths serve without fusion.
@@ -78,7 +80,7 @@ impl GemmEngine {
 /// negative (wrap-safe epoch comparison). Launched on the GEMM stream, it holds the GEMMs back
 /// until Burn's stream has run the signal kernel of their epoch. Hand-written PTX, loaded by
 /// the driver: no compiler needed. (`cuStreamWaitValue32` does this without a kernel, but the
-/// driver refuses it on CubeCL's pool memory with `CUDA_ERROR_INVALID_VALUE`; call AB.)
+/// driver refuses it on CubeCL's pool memory with `CUDA_ERROR_INVALID_VALUE`.)
 const WAIT_PTX: &str = "
 .version 7.0
 .target sm_70
@@ -219,15 +221,11 @@ fn check_async_errors(device: usize) {
 /// The calls run as a task on CubeCL's device-server thread, the thread that launches Burn's
 /// kernels: by the time it runs, every earlier kernel has reached CUDA, so a context event
 /// captures them, and the buffers' device addresses are resolved there too. Issuing from the
-/// rank thread instead took a blocking round trip per operand and a flush per batch (four to
-/// six per linear layer), each waiting until the server had launched everything queued before
-/// it: the rank thread could never run ahead of the server.
+/// rank thread instead would take a blocking round trip per operand and a flush per batch (four
+/// to six per linear layer), each waiting until the server has launched everything queued
+/// before it: the rank thread could never run ahead of the server.
 fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
     check_async_errors(device);
-    if super::legacy_flush() {
-        super::flush_with_fence_wait(device)
-            .unwrap_or_else(|e| panic!("before a GEMM on CUDA device {device}: {e}"));
-    }
     let dt =
         cublas_dtype(dtype).unwrap_or_else(|| panic!("cuBLAS linear: unsupported dtype {dtype:?}"));
     let handle = SERVERS.with(|m| {
@@ -236,7 +234,7 @@ fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
             .or_insert_with(|| DeviceHandle::new(CudaDevice { index: device }.to_id()))
             .clone()
     });
-    let ordering = gemm_ordering();
+    let ordering = gemm_ordering(device);
     if ordering == GemmOrdering::Stream {
         // Burn's stream for this thread: its kernels and these GEMMs then run in issue order.
         let stream = StreamId::current();
@@ -247,12 +245,7 @@ fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
         });
         return;
     }
-    let use_signal = match ordering {
-        GemmOrdering::Signal => true,
-        GemmOrdering::Context | GemmOrdering::Stream => false,
-        GemmOrdering::Auto => super::collectives_issued(device),
-    };
-    let signal = use_signal.then(|| device_signal(device));
+    let signal = (ordering == GemmOrdering::Signal).then(|| device_signal(device));
     // Epochs must reach the server in the order they are taken: hold the device's lock across
     // both.
     let mut guard = signal
@@ -275,95 +268,56 @@ fn note_async_error(device: usize, e: SmpError) {
     }
 }
 
-/// How a GEMM batch waits for the Burn kernels before it.
+/// How a GEMM batch waits for the Burn kernels before it ([`gemm_ordering`] picks one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum GemmOrdering {
-    /// [`GemmOrdering::Context`] on a device where no collective has been issued yet (a
-    /// single-GPU run: nothing but Burn's stream to wait for, and the event costs no kernel
-    /// launches, where the signal costs two small kernels per batch, about 1 ms of a 1.2B
-    /// model's step), [`GemmOrdering::Signal`] from the first collective on.
-    Auto,
-    /// A one-thread kernel on Burn's stream writes an epoch to a flag that a one-thread kernel
-    /// on the GEMM stream spins on ([`WAIT_PTX`]): the GEMMs wait for Burn's stream alone.
-    Signal,
-    /// A context-wide event (`cuCtxRecordEvent`): the GEMMs also wait for every collective in
-    /// flight on the comm streams, which serializes FSDP's prefetched all-gathers and
-    /// overlapped reduce-scatters with the compute they were meant to run beside.
-    Context,
     /// The GEMMs run on Burn's own stream (`CudaServer::launch_stream`, which only the
     /// workspace's vendor/cubecl-cuda has): no crossing at all, so neither the GPU's idle time
-    /// at each event (5-13 us, session 12) nor a wait for the comm streams. The default where
-    /// built ([`LAUNCH_STREAM_BUILT`]).
+    /// at each event crossing (5-13 us on an H200) nor a wait for the comm streams.
     Stream,
+    /// A one-thread kernel on Burn's stream writes an epoch to a flag that a one-thread kernel
+    /// on the GEMM stream spins on ([`WAIT_PTX`]): the GEMMs wait for Burn's stream alone, not
+    /// for the collectives in flight on the comm streams.
+    Signal,
+    /// A context-wide event (`cuCtxRecordEvent`): no kernel launches, but the GEMMs also wait
+    /// for every collective in flight, which would serialize FSDP's prefetched all-gathers and
+    /// overlapped reduce-scatters with the compute they are meant to run beside.
+    Context,
 }
 
-/// Whether this build can issue the GEMMs on Burn's own CUDA stream ([`GemmOrdering::Stream`]):
-/// with the workspace's vendor/cubecl-cuda (`build.rs` detects it), not with upstream CubeCL
-/// 0.10, which keeps its streams private.
+/// Whether this build issues the GEMMs on Burn's own CUDA stream: with the workspace's
+/// vendor/cubecl-cuda (`build.rs` detects it), not with upstream CubeCL 0.10, which keeps its
+/// streams private.
 pub const LAUNCH_STREAM_BUILT: bool = cfg!(cubecl_launch_stream);
 
-/// Environment variable that picks how GEMMs are ordered with Burn's kernels: `stream`,
-/// `context`, `signal` or `auto` (see [`GemmOrdering`]; for measuring the difference). The
-/// default is `stream` where [`LAUNCH_STREAM_BUILT`], else `auto`.
-pub const GEMM_ORDER_ENV: &str = "SMP_BURN_GEMM_ORDER";
-
-fn gemm_ordering() -> GemmOrdering {
-    static ORDER: std::sync::OnceLock<GemmOrdering> = std::sync::OnceLock::new();
-    *ORDER.get_or_init(|| ordering_from_env().unwrap_or_else(|e| panic!("{e}")))
+/// The ordering of the next GEMM batch on `device`: [`GemmOrdering::Stream`] where built;
+/// otherwise [`GemmOrdering::Context`] until the first collective on the device (a single-GPU
+/// run has nothing but Burn's stream to wait for, and the signal costs two small kernels per
+/// batch, about 1 ms of a 1.2B model's step), [`GemmOrdering::Signal`] from then on.
+fn gemm_ordering(device: usize) -> GemmOrdering {
+    if LAUNCH_STREAM_BUILT {
+        GemmOrdering::Stream
+    } else if collectives_issued(device) {
+        GemmOrdering::Signal
+    } else {
+        GemmOrdering::Context
+    }
 }
 
-/// [`GEMM_ORDER_ENV`] as this build reads it.
-fn ordering_from_env() -> Result<GemmOrdering, SmpError> {
-    let value = std::env::var(GEMM_ORDER_ENV).ok();
-    parse_gemm_ordering(value.as_deref(), LAUNCH_STREAM_BUILT)
-}
-
-/// How this process orders its cuBLAS GEMMs with Burn's kernels, for the trainer's log (read
-/// from [`GEMM_ORDER_ENV`] as the GEMMs will read it). Why log it: the orderings differ in
-/// speed by a few percent of a step, and only the stream one needs the workspace's vendored
-/// CubeCL.
+/// How this process orders its cuBLAS GEMMs with Burn's kernels, for the trainer's log. Why
+/// log it: the orderings differ in speed by a few percent of a step, and only the stream one
+/// needs the workspace's vendored CubeCL.
 ///
 /// # Errors
-/// [`SmpError::Config`] naming a bad value of the variable, before any GEMM runs.
+/// None: the ordering follows from the build.
 pub fn gemm_ordering_summary() -> Result<String, SmpError> {
-    Ok(match ordering_from_env()? {
-        GemmOrdering::Stream => "cuBLAS GEMMs run on Burn's CUDA stream",
-        GemmOrdering::Auto => {
-            "cuBLAS GEMMs run on a stream of their own, ordered by context events (by signal \
-             kernels once collectives run)"
-        }
-        GemmOrdering::Context => {
-            "cuBLAS GEMMs run on a stream of their own, ordered by context events"
-        }
-        GemmOrdering::Signal => {
-            "cuBLAS GEMMs run on a stream of their own, ordered by signal kernels"
-        }
+    Ok(if LAUNCH_STREAM_BUILT {
+        "cuBLAS GEMMs run on Burn's CUDA stream"
+    } else {
+        "cuBLAS GEMMs run on a stream of their own, ordered by context events (by signal \
+         kernels once collectives run)"
     }
     .to_string())
-}
-
-/// [`GEMM_ORDER_ENV`]'s value (`None`: unset) as an ordering, where `launch_stream` says
-/// whether [`GemmOrdering::Stream`] is built.
-fn parse_gemm_ordering(value: Option<&str>, launch_stream: bool) -> Result<GemmOrdering, SmpError> {
-    let default = if launch_stream {
-        GemmOrdering::Stream
-    } else {
-        GemmOrdering::Auto
-    };
-    match value {
-        None | Some("") => Ok(default),
-        Some("auto") => Ok(GemmOrdering::Auto),
-        Some("context") => Ok(GemmOrdering::Context),
-        Some("signal") => Ok(GemmOrdering::Signal),
-        Some("stream") if launch_stream => Ok(GemmOrdering::Stream),
-        Some("stream") => Err(SmpError::Config(format!(
-            "{GEMM_ORDER_ENV}=stream needs the workspace's vendor/cubecl-cuda (this build uses \
-             upstream cubecl-cuda, which keeps its streams private); use auto, context or signal"
-        ))),
-        Some(other) => Err(SmpError::Config(format!(
-            "{GEMM_ORDER_ENV}={other:?}: expected stream, auto, context or signal"
-        ))),
-    }
 }
 
 mod signal {
@@ -511,7 +465,8 @@ fn issue_on_launch_stream(
     issue_gemms(handle, dt, calls, &mut ptr)
 }
 
-/// Without vendor/cubecl-cuda [`GemmOrdering::Stream`] is refused when parsed; never called.
+/// Without vendor/cubecl-cuda [`gemm_ordering`] never picks [`GemmOrdering::Stream`], so this
+/// is never called.
 #[cfg(not(cubecl_launch_stream))]
 fn issue_on_launch_stream(
     _server: &mut CudaServer,
@@ -520,9 +475,9 @@ fn issue_on_launch_stream(
     _stream: StreamId,
     _calls: &[GemmCall],
 ) -> Result<(), SmpError> {
-    Err(SmpError::Config(format!(
-        "{GEMM_ORDER_ENV}=stream needs the workspace's vendor/cubecl-cuda"
-    )))
+    Err(SmpError::Cuda(
+        "issuing GEMMs on Burn's stream needs the workspace's vendor/cubecl-cuda".into(),
+    ))
 }
 
 /// Issues `calls` with cuBLAS `handle` (bound to the stream they must run on), resolving each
@@ -814,8 +769,8 @@ impl<I: CubeInner> Backward<I, 2> for LinearBackward {
         // backend only: under fusion the registered gradient is a lazy tensor of its stream.
         let dx_into = match (I::as_cube(&dy), &w) {
             (Some(like), Some(_)) => {
-                super::take_grad_for_accumulation(&ops, 0, grads, like, &ops.state.2)
-                    .map(crate::fast::same::<Cube, I::FloatTensorPrimitive>)
+                super::accumulate::take_grad_for_accumulation(&ops, 0, grads, like, &ops.state.2)
+                    .map(crate::downcast::same::<Cube, I::FloatTensorPrimitive>)
             }
             _ => None,
         };
@@ -887,7 +842,7 @@ mod tests {
 
     /// Where the workspace vendors cubecl-cuda, smp-burn must have been built against it (its
     /// `[patch.crates-io]` entry): otherwise every GEMM batch silently crosses streams through
-    /// two context events again.
+    /// two context events.
     #[test]
     fn workspace_build_has_the_launch_stream() {
         let vendored = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -898,39 +853,5 @@ mod tests {
             "vendor/cubecl-cuda exists but smp-burn was built against another cubecl-cuda (is \
              its [patch.crates-io] entry in the workspace Cargo.toml?)"
         );
-    }
-
-    /// The stream ordering is the default only where it is built, is refused (naming the
-    /// reason) where it is not, and anything but the four names is refused with the value.
-    #[test]
-    fn gemm_ordering_reads_only_known_values() {
-        for built in [true, false] {
-            let default = if built {
-                GemmOrdering::Stream
-            } else {
-                GemmOrdering::Auto
-            };
-            assert_eq!(parse_gemm_ordering(None, built).unwrap(), default);
-            assert_eq!(parse_gemm_ordering(Some(""), built).unwrap(), default);
-            for (name, ordering) in [
-                ("auto", GemmOrdering::Auto),
-                ("context", GemmOrdering::Context),
-                ("signal", GemmOrdering::Signal),
-            ] {
-                assert_eq!(parse_gemm_ordering(Some(name), built).unwrap(), ordering);
-            }
-            let err = parse_gemm_ordering(Some("events"), built)
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains("\"events\""), "{err}");
-        }
-        assert_eq!(
-            parse_gemm_ordering(Some("stream"), true).unwrap(),
-            GemmOrdering::Stream
-        );
-        let err = parse_gemm_ordering(Some("stream"), false)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("vendor/cubecl-cuda"), "{err}");
     }
 }

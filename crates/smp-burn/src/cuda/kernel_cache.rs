@@ -11,7 +11,8 @@ use std::time::{Duration, SystemTime};
 use cubecl::config::cache::CacheConfig;
 use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
 
-/// `$SMP_BURN_CACHE_DIR`, else `$XDG_CACHE_HOME/smp-burn/cubecl`, else
+/// [`KernelConfig::cache_dir`](crate::KernelConfig::cache_dir), else
+/// `$XDG_CACHE_HOME/smp-burn/cubecl`, else
 /// `$HOME/.cache/smp-burn/cubecl`, else `.smp-burn-cache` in the working directory; inside it,
 /// one folder per build of smp-burn's sources ([`kernel_cache_build`]).
 pub fn kernel_cache_dir() -> PathBuf {
@@ -20,7 +21,8 @@ pub fn kernel_cache_dir() -> PathBuf {
             .filter(|v| !v.is_empty())
             .map(PathBuf::from)
     };
-    var("SMP_BURN_CACHE_DIR")
+    crate::KernelConfig::current()
+        .cache_dir
         .or_else(|| {
             var("XDG_CACHE_HOME")
                 .or_else(|| var("HOME").map(|h| h.join(".cache")))
@@ -37,7 +39,7 @@ pub fn kernel_cache_build() -> String {
     format!(
         "{}-{}",
         env!("CARGO_PKG_VERSION"),
-        env!("SMP_BURN_SOURCE_FINGERPRINT")
+        env!("KERNEL_SOURCE_FINGERPRINT")
     )
 }
 
@@ -161,7 +163,7 @@ mod tests {
         assert_eq!(dir.file_name(), Some(kernel_cache_build().as_ref()));
         let root = dir.parent().expect("the build folder has a parent");
         assert!(
-            root.ends_with("smp-burn/cubecl") || std::env::var_os("SMP_BURN_CACHE_DIR").is_some()
+            root.ends_with("smp-burn/cubecl") || crate::KernelConfig::current().cache_dir.is_some()
         );
     }
 

@@ -53,8 +53,7 @@ pub(crate) fn wait_cuda_read(
 /// `bytes` into it on Burn's stream, in order with the kernels, and returns at once. Why not
 /// `Tensor::from_data`: CubeCL 0.10's `create_tensor` (under Burn 0.21) copies the bytes twice
 /// on the host (into a staging buffer, then into a pageable `Vec`) and uploads from pageable
-/// memory into a pitched layout, which moved a 32 MiB activation at 0.8 GB/s on an H200
-/// (session 9, call DB). Here
+/// memory into a pitched layout, which moves a 32 MiB activation at 0.8 GB/s on an H200. Here
 /// pinned `bytes` (what [`queue_cuda_read`] returns) go up with one asynchronous copy; CubeCL
 /// keeps them alive until the stream has passed the copy.
 pub(crate) fn queue_cuda_upload(

@@ -10,10 +10,11 @@ use std::sync::Arc;
 
 use burn::tensor::{DType, Int, Tensor, TensorPrimitive, backend::Backend};
 
-use super::{AdamWState, AdamWUpdate, fast_paths, same};
+use super::{AdamWState, AdamWUpdate, fast_paths};
 use crate::cuda::bridge::{Arg, Cube, CubeFn, CubeInner, FusedCuda, Served, served};
 use crate::cuda::gemm::{self, CudaAutodiff};
 use crate::cuda::{CudaCube, attention, fused};
+use crate::downcast::same;
 
 /// Logs once per backend that the fast paths do not serve it, when its type says it runs on
 /// CUDA (CubeCL with other element types, say): such a user expects the fast paths and would
@@ -94,7 +95,7 @@ pub(crate) fn linear<B: Backend, const D: usize>(
 }
 
 /// Causal grouped-query attention through the flash kernels when `B` is the CUDA backend and
-/// the shapes and dtypes allow; `None` means "use the reference".
+/// the shapes, dtypes and device allow; `None` means "use the reference".
 pub(crate) fn causal_attention<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
@@ -108,32 +109,39 @@ pub(crate) fn causal_attention<B: Backend>(
     {
         return None;
     }
+    let Some(backend) = served::<B>() else {
+        note_unserved::<B>();
+        return None;
+    };
+    // GPUs before sm_80 (no `mma.sync` m16n8k16) take the reference.
+    if !attention::device_supports(
+        &same::<B::Device, burn_cuda::CudaDevice>(q.device()),
+        q.dtype(),
+    ) {
+        return None;
+    }
     let (q, k, v) = (q.clone(), k.clone(), v.clone());
-    let o: Tensor<B, 4> = match served::<B>() {
-        Some(Served::CubeAutodiff) => same(attention::causal_attention_autodiff::<CudaCube>(
+    let o: Tensor<B, 4> = match backend {
+        Served::CubeAutodiff => same(attention::causal_attention_autodiff::<CudaCube>(
             same(q),
             same(k),
             same(v),
         )),
-        Some(Served::FusedAutodiff) => same(attention::causal_attention_autodiff::<FusedCuda>(
+        Served::FusedAutodiff => same(attention::causal_attention_autodiff::<FusedCuda>(
             same(q),
             same(k),
             same(v),
         )),
-        Some(Served::Cube) => same(attention::causal_attention_plain::<CudaCube>(
+        Served::Cube => same(attention::causal_attention_plain::<CudaCube>(
             same(q),
             same(k),
             same(v),
         )),
-        Some(Served::Fused) => same(attention::causal_attention_plain::<FusedCuda>(
+        Served::Fused => same(attention::causal_attention_plain::<FusedCuda>(
             same(q),
             same(k),
             same(v),
         )),
-        None => {
-            note_unserved::<B>();
-            return None;
-        }
     };
     Some(o)
 }

@@ -1,0 +1,589 @@
+//! The warpgroup-MMA dK/dV kernel ([`FlashBackward::Wgmma`], sm_90): FlashAttention-3's
+//! backward shape, two consumer warpgroups of 64 keys (128 keys per cube) and 64-query blocks,
+//! every product a `wgmma` ([`super::wgmma`]), dQ added by one bulk reduction per row. On an
+//! H200 (causal, head dim 128) 333 / 378 TFLOP/s at B8 S 4k / B2 S 16k, where the `mma.sync`
+//! warp grid [`FlashBackward::AtomicGrid`] gives 258 / 290.
+//!
+//! [`FlashBackward::Wgmma`]: crate::FlashBackward::Wgmma
+//! [`FlashBackward::AtomicGrid`]: crate::FlashBackward::AtomicGrid
+
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::barrier::{Barrier, copy_async};
+use cubecl::prelude::*;
+
+use crate::FlashBackward;
+
+use super::BwdArgs;
+use super::bwd_mma::{kv_blocks, write_dkdv};
+use super::dq::bulk_reduce_add_f32;
+use super::fragments::{p_fragment, zero_frags};
+use super::fwd_wgmma::{fresh_frags, wgmma_rs_block};
+use super::tiles::{copy_kv_swizzled, sw128_chunk};
+use super::wgmma::{
+    SWIZZLE_128B, wgmma_commit_group, wgmma_descriptor, wgmma_descriptor_at, wgmma_fence,
+    wgmma_fence_operands, wgmma_ss, wgmma_wait_group,
+};
+
+/// Query rows per block of the warpgroup-MMA dK/dV kernel: the `n` of its `S^T` and `dP^T`.
+const WGMMA_BWD_QROWS: usize = 64;
+
+/// Keys per cube of the warpgroup-MMA dK/dV kernel: two warpgroups of 64.
+const WGMMA_BWD_KEYS: usize = 128;
+
+/// Pitch, in f32 pairs, of the warpgroup dK/dV kernel's dQ staging rows at head dim `d`: 8 f32
+/// more than a row, so that the 8-byte stores of a half-warp (4 rows, 4 pairs each) cover the
+/// 32 banks once (rows 8 banks apart at d 64 and 128), and every row still starts 16 bytes
+/// aligned for its bulk reduction.
+const fn wgmma_bwd_dq_pitch(d: usize) -> usize {
+    d / 2 + 4
+}
+
+/// Issues the copies of one query block for [`flash_bwd_dkdv_wgmma`]: Q and dO rows `q0 ..
+/// q0 + 64` of head `h` into the swizzled tiles at chunk `dst0` of `qs` / `dos`, and lse and
+/// delta into `lse_s` / `delta_s` from `stat0` (past the end `lse = 1e30`, so `P = 0`, and
+/// `delta = 0`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_qdo_swizzled<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    qs: &mut SharedMemory<Vector<F, N>>,
+    dos: &mut SharedMemory<Vector<F, N>>,
+    lse_s: &mut SharedMemory<f32>,
+    delta_s: &mut SharedMemory<f32>,
+    b: usize,
+    h: usize,
+    q0: usize,
+    seq: usize,
+    dst0: usize,
+    stat0: usize,
+    #[comptime] d: usize,
+) {
+    let rows = comptime!(WGMMA_BWD_QROWS);
+    copy_kv_swizzled::<F, N>(
+        q,
+        d_o,
+        (b * q.stride(0) + h * q.stride(1)) / 8,
+        (b * d_o.stride(0) + h * d_o.stride(1)) / 8,
+        q.stride(2) / 8,
+        d_o.stride(2) / 8,
+        q0,
+        seq,
+        qs,
+        dos,
+        dst0,
+        rows,
+        d,
+        256usize,
+    );
+    let t = UNIT_POS as usize;
+    if t < rows {
+        let qi = q0 + t;
+        let si = stat0 + t;
+        if qi < seq {
+            let li = b * lse.stride(0) + h * lse.stride(1) + qi * lse.stride(2);
+            let di = b * delta.stride(0) + h * delta.stride(1) + qi * delta.stride(2);
+            copy_async::<f32>(
+                &lse.slice(li, li + 1),
+                &mut lse_s.slice_mut(si, si + 1),
+                1u32,
+            );
+            copy_async::<f32>(
+                &delta.slice(di, di + 1),
+                &mut delta_s.slice_mut(si, si + 1),
+                1u32,
+            );
+        } else {
+            lse_s[si] = f32::new(1.0e30);
+            delta_s[si] = f32::new(0.0);
+        }
+    }
+}
+
+/// Issues one warpgroup's `acc = A B^T` for the warpgroup-MMA dK/dV kernel and commits it as
+/// one group: A the warpgroup's 64 rows of the 128-row K or V tile (`a_wg`: chunk of its
+/// first row), B the 64-row Q or dO tile at chunk `b0`, both K-major and swizzled, contracted
+/// over the head dim (`S^T = K Q^T`, `dP^T = V dO^T`). Nothing waits.
+#[cube]
+fn wgmma_bwd_scores<F: Float, N: Size>(
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    a: &SharedMemory<Vector<F, N>>,
+    b: &SharedMemory<Vector<F, N>>,
+    a_wg: usize,
+    b0: usize,
+    #[comptime] d: usize,
+) {
+    let bk = comptime!(WGMMA_BWD_KEYS);
+    let bq = comptime!(WGMMA_BWD_QROWS);
+    let desc_a0 = wgmma_descriptor(a, a_wg, 16u32, 1024u32, SWIZZLE_128B);
+    let desc_b0 = wgmma_descriptor(b, b0, 16u32, 1024u32, SWIZZLE_128B);
+    wgmma_fence();
+    #[unroll]
+    for kk in 0..comptime!(d / 16) {
+        // Step kk: 16 columns = 32 bytes into 64-column block kk / 4 (as `wg_scores`).
+        let desc_a = wgmma_descriptor_at(desc_a0, comptime!((kk / 4) * bk * 8 + (kk % 4) * 2));
+        let desc_b = wgmma_descriptor_at(desc_b0, comptime!((kk / 4) * bq * 8 + (kk % 4) * 2));
+        wgmma_ss::<F>(
+            acc,
+            desc_a,
+            desc_b,
+            comptime!(bq as u32),
+            0u32,
+            0u32,
+            comptime!(if kk == 0 { 0u32 } else { 1u32 }),
+        );
+    }
+    wgmma_commit_group();
+}
+
+/// `P^T = exp(S^T scale - lse)` of one warp's 16 keys (from `wk0`) and a block's queries (from
+/// `q0`, their lse from `lse_s[stat0 ..]`) into `p`, in accumulator order; with `masked`, 0
+/// where the key follows the query.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn wgmma_bwd_probs(
+    s_acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    p: &mut Array<f32>,
+    lse_s: &SharedMemory<f32>,
+    stat0: usize,
+    q0: usize,
+    wk0: usize,
+    r_lo: usize,
+    r_hi: usize,
+    c_lo: usize,
+    scale: f32,
+    #[comptime] q_tiles: usize,
+    #[comptime] masked: bool,
+) {
+    #[unroll]
+    for nt in 0..q_tiles {
+        #[unroll]
+        for e in 0..2usize {
+            let ql = 8 * nt + c_lo + e;
+            let lse_q = lse_s[stat0 + ql];
+            let s_frag = s_acc.index(nt);
+            #[unroll]
+            for hh in 0..2usize {
+                let mut pe = (s_frag[hh][e] * scale - lse_q).exp();
+                if comptime!(masked) {
+                    let mut key = wk0 + r_lo;
+                    if hh == 1 {
+                        key = wk0 + r_hi;
+                    }
+                    if key > q0 + ql {
+                        pe = f32::new(0.0);
+                    }
+                }
+                p[comptime!((nt * 2 + hh) * 2 + e)] = pe;
+            }
+        }
+    }
+}
+
+/// Adds the staged dQ rows of query block `q0 ..` of head `h` (f32 pair rows of `dqs`, pitch
+/// [`wgmma_bwd_dq_pitch`]) to `dq_acc` (dq's layout): one bulk reduction per row before
+/// `seq`, issued by the first 64 threads and committed as one group each (their
+/// `tma_group_wait_read` frees the rows).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn reduce_dq_rows(
+    dqs: &SharedMemory<Vector<f32, Const<2>>>,
+    dq_acc: &mut Tensor<f32>,
+    b: usize,
+    h: usize,
+    q0: usize,
+    seq: usize,
+    #[comptime] d: usize,
+) {
+    let t = UNIT_POS as usize;
+    if t < comptime!(WGMMA_BWD_QROWS) {
+        let qi = q0 + t;
+        if qi < seq {
+            let dst = b * dq_acc.stride(0) + h * dq_acc.stride(1) + qi * dq_acc.stride(2);
+            bulk_reduce_add_f32(
+                dqs,
+                t * comptime!(wgmma_bwd_dq_pitch(d)),
+                dq_acc,
+                dst,
+                comptime!(d as u32 * 4),
+            );
+        }
+        tma_group_commit();
+    }
+}
+
+/// dK and dV (and dQ through bulk reductions) on Hopper's warpgroup MMA, head dim 64 or 128. Cube =
+/// (kv head, block of 128 keys, batch), 256 threads = two warpgroups, warpgroup `w` owning keys
+/// `64 w .. 64 w + 64` of the block. K and V are copied once into swizzled shared memory; the
+/// query blocks of 64 rows (every query head of the GQA group, from the causal start) are
+/// double buffered with `cp.async`. Per query block and warpgroup, each product one `wgmma`
+/// group, so that the tensor cores run while the warpgroup's threads do the elementwise work:
+/// - `S^T = K Q^T`, then `dP^T = V dO^T` (`m64n64k16`, both operands from shared memory);
+/// - once `S^T` is done, `P^T = exp(S^T scale - lse)` (0 where the key follows the query);
+/// - `dV += P^T dO` (`m64nDk16`, `P^T` from registers as the forward's P, dO read
+///   transposed as the forward's V), issued before `dS^T = P^T (dP^T - delta)` is computed;
+/// - `dS^T` to shared memory (bf16, swizzled `[key][query]`), a cube barrier, then the block's
+///   `dQ = dS K` (`m64n(D/2)k16`: warpgroup `w` the head-dim half `w`, A = `dS^T` read transposed,
+///   B = K read transposed) and `dK += dS^T Q`;
+/// - once dQ is done (dK still running), dQ staged as f32 rows, which the next block's first
+///   barrier publishes and one bulk reduction per row adds to `dq_acc` (f32, dq's layout).
+///
+/// Two cube barriers per block: the first both lands the block's copies and publishes the
+/// previous block's dQ rows, the second publishes `dS^T`.
+///
+/// Why this shape: FlashAttention-3's backward (two consumer warpgroups of 64 keys, 64-query
+/// blocks). Registers at head dim 128: dK and dV 64 f32 each, `S^T` and `dP^T` 32 each, dQ 32.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    d_o: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    dq_acc: &mut Tensor<f32>,
+    scale: f32,
+    seq_len: u32,
+    group: u32,
+    #[comptime] d: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bk = comptime!(WGMMA_BWD_KEYS);
+    let bq = comptime!(WGMMA_BWD_QROWS);
+    let pitch = comptime!(wgmma_bwd_dq_pitch(d));
+    let kv_tile = comptime!(bk * d / 8);
+    let q_tile = comptime!(bq * d / 8);
+    let q_tiles = comptime!(bq / 8);
+    let d_tiles = comptime!(d / 8);
+
+    let seq = seq_len as usize;
+    let hk = CUBE_POS_X as usize;
+    let k0 = CUBE_POS_Y as usize * bk;
+    let b = CUBE_POS_Z as usize;
+    let grp = group as usize;
+    let warp = UNIT_POS as usize / 32;
+    let wg = warp / 4;
+    let lane = UNIT_POS_PLANE as usize;
+    let t = UNIT_POS as usize;
+    // This warp's first key, and its warpgroup's first K/V row (chunk offset of its atom).
+    let wk0 = k0 + 16 * warp;
+    let kv_wg = sw128_chunk(64 * wg, 0usize, bk);
+    // Chunk offset of head-dim column `d / 2` (the second dQ half's first) in row 0 of K.
+    let dq_half_chunks = sw128_chunk(0usize, comptime!(d / 16), bk);
+
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
+    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
+    let r_lo = r_lo as usize;
+    let r_hi = r_hi as usize;
+    let c_lo = c_lo as usize;
+
+    let mut ks = SharedMemory::<Vector<F, N>>::new_aligned(kv_tile, 1024usize);
+    let mut vs = SharedMemory::<Vector<F, N>>::new_aligned(kv_tile, 1024usize);
+    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * q_tile), 1024usize);
+    let mut dos = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * q_tile), 1024usize);
+    // dS^T as bf16 pairs, `[key][query]` in the swizzled layout (64 queries = one 128-byte
+    // column block).
+    let mut dss =
+        SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * bq / 2), 1024usize);
+    let mut dqs =
+        SharedMemory::<Vector<f32, Const<2>>>::new_aligned(comptime!(bq * pitch), 128usize);
+    let mut lse_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+    let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+
+    let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let k_base = (b * k.stride(0) + hk * k.stride(1)) / 8;
+    let v_base = (b * v.stride(0) + hk * v.stride(1)) / 8;
+    copy_kv_swizzled::<F, N>(
+        k,
+        v,
+        k_base,
+        v_base,
+        k.stride(2) / 8,
+        v.stride(2) / 8,
+        k0,
+        seq,
+        &mut ks,
+        &mut vs,
+        0usize,
+        bk,
+        d,
+        256usize,
+    );
+
+    let n_qb = (seq + bq - 1) / bq;
+    let qb_start = k0 / bq;
+    let n_blk = n_qb - qb_start;
+    let n_it = grp * n_blk;
+    let h_first = hk * grp;
+    copy_qdo_swizzled::<F, N>(
+        q,
+        d_o,
+        lse,
+        delta,
+        &mut qs,
+        &mut dos,
+        &mut lse_s,
+        &mut delta_s,
+        b,
+        h_first,
+        qb_start * bq,
+        seq,
+        0usize,
+        0usize,
+        d,
+    );
+
+    let mut dk_acc = zero_frags(d_tiles);
+    let mut dv_acc = zero_frags(d_tiles);
+    let mut p = Array::<f32>::new(comptime!(bq / 2));
+    let mut ds = Array::<f32>::new(comptime!(bq / 2));
+
+    let mut blk = 0usize;
+    let mut h_off = 0usize;
+    // The previous block's dQ rows, staged in `dqs` and added at the next block's first
+    // barrier (which is also the one the copies of that block wait at).
+    let mut staged_q0 = 0usize;
+    let mut staged_h = 0usize;
+    for it in 0..n_it {
+        let q0 = (qb_start + blk) * bq;
+        let h = h_first + h_off;
+        let buf = it % 2;
+        let q_off = buf * q_tile;
+        let stat0 = buf * bq;
+        // The previous block's dK reads its Q buffer, which the prefetch below refills.
+        wgmma_wait_group(0u32);
+        wgmma_fence_operands(&mut dk_acc);
+        // One barrier: this block's copies have landed and the previous block's dQ rows are
+        // staged (each thread fenced its staging stores before arriving).
+        bar.commit_copy_async();
+        bar.arrive_and_wait();
+        // `cp.async` wrote through the generic proxy, `wgmma` reads through the async one.
+        sync_async_proxy_shared();
+        if it > 0 {
+            reduce_dq_rows(&dqs, dq_acc, b, staged_h, staged_q0, seq, d);
+        }
+        let mut next_blk = blk + 1;
+        let mut next_h_off = h_off;
+        if next_blk == n_blk {
+            next_blk = 0;
+            next_h_off += 1;
+        }
+        if it + 1 < n_it {
+            copy_qdo_swizzled::<F, N>(
+                q,
+                d_o,
+                lse,
+                delta,
+                &mut qs,
+                &mut dos,
+                &mut lse_s,
+                &mut delta_s,
+                b,
+                h_first + next_h_off,
+                (qb_start + next_blk) * bq,
+                seq,
+                q_tile - q_off,
+                bq - stat0,
+                d,
+            );
+        }
+
+        // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys, one group each, so that
+        // P is computed while dP^T is still running.
+        let mut s_acc = fresh_frags(q_tiles);
+        let mut dp_acc = fresh_frags(q_tiles);
+        wgmma_bwd_scores::<F, N>(&mut s_acc, &ks, &qs, kv_wg, q_off, d);
+        wgmma_bwd_scores::<F, N>(&mut dp_acc, &vs, &dos, kv_wg, q_off, d);
+        wgmma_wait_group(1u32);
+        wgmma_fence_operands(&mut s_acc);
+
+        // P^T: rows are this warp's keys, columns the block's queries (0 where the key
+        // follows the query, and for query rows past `seq`, whose lse is huge). The causal
+        // mask only where the warp's last key passes the block's first query.
+        if wk0 + 16 <= q0 + 1 {
+            wgmma_bwd_probs(
+                &s_acc, &mut p, &lse_s, stat0, q0, wk0, r_lo, r_hi, c_lo, scale, q_tiles, false,
+            );
+        } else {
+            wgmma_bwd_probs(
+                &s_acc, &mut p, &lse_s, stat0, q0, wk0, r_lo, r_hi, c_lo, scale, q_tiles, true,
+            );
+        }
+
+        // dV += P^T dO (P^T from registers, dO read transposed) runs during dS^T.
+        let mut p_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        #[unroll]
+        for kk in 0..comptime!(bq / 16) {
+            p_frags.push(p_fragment::<F>(&p, 0usize, kk, q_tiles));
+        }
+        wgmma_fence_operands(&mut dv_acc);
+        wgmma_rs_block::<F, N>(&mut dv_acc, &p_frags, &dos, q_off, bq, d);
+        wgmma_wait_group(1u32);
+        wgmma_fence_operands(&mut dp_acc);
+
+        // dS^T = P^T (dP^T - delta).
+        #[unroll]
+        for nt in 0..q_tiles {
+            #[unroll]
+            for e in 0..2usize {
+                let delta_q = delta_s[stat0 + 8 * nt + c_lo + e];
+                let dp_frag = dp_acc.index(nt);
+                #[unroll]
+                for hh in 0..2usize {
+                    let idx = comptime!((nt * 2 + hh) * 2 + e);
+                    ds[idx] = p[idx] * (dp_frag[hh][e] - delta_q);
+                }
+            }
+        }
+        let mut ds_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        #[unroll]
+        for kk in 0..comptime!(bq / 16) {
+            ds_frags.push(p_fragment::<F>(&ds, 0usize, kk, q_tiles));
+        }
+
+        // dS^T to shared memory from its A fragments (already rounded; pair j of fragment
+        // kk is query tile 2 kk + j / 2, row lo or hi by j % 2), as 4-byte stores.
+        let key_lo = 16 * warp + r_lo;
+        let key_hi = 16 * warp + r_hi;
+        #[unroll]
+        for kk in 0..comptime!(bq / 16) {
+            let frag = ds_frags.index(kk);
+            #[unroll]
+            for j in 0..4usize {
+                let mut key = key_lo;
+                if comptime!(j % 2 == 1) {
+                    key = key_hi;
+                }
+                let nt = comptime!(2 * kk + j / 2);
+                dss[sw128_chunk(key, nt, bk) * 4 + c_lo / 2] = frag[j];
+            }
+        }
+        // The previous block's reductions must have read the staging rows before they are
+        // written again below; the barrier after this publishes dS^T to both warpgroups.
+        if t < bq {
+            tma_group_wait_read(0u32);
+        }
+        sync_async_proxy_shared();
+        sync_cube();
+
+        // dQ = dS K for head-dim half `wg` (A = dS^T `[key][query]` read transposed, B = K
+        // `[key][d]` read transposed, 16 keys per step), then dK += dS^T Q, which runs on
+        // while dQ is staged.
+        let mut dq_acc_w = fresh_frags(comptime!(d / 16));
+        // Head-dim half `wg` starts `d / 2` columns in: a column block of its own at d 128,
+        // 64 bytes into the one block at d 64.
+        let desc_ds0 = wgmma_descriptor(
+            &dss,
+            0usize,
+            comptime!(bk as u32 * 128),
+            1024u32,
+            SWIZZLE_128B,
+        );
+        let desc_k0 = wgmma_descriptor(
+            &ks,
+            wg * dq_half_chunks,
+            comptime!(bk as u32 * 128),
+            1024u32,
+            SWIZZLE_128B,
+        );
+        wgmma_fence();
+        #[unroll]
+        for kk in 0..comptime!(bk / 16) {
+            // Keys 16 kk .. 16 kk + 16: 2 KiB into `dS^T` and into K's column block.
+            let desc_ds = wgmma_descriptor_at(desc_ds0, comptime!(kk * 128));
+            let desc_k = wgmma_descriptor_at(desc_k0, comptime!(kk * 128));
+            wgmma_ss::<F>(
+                &mut dq_acc_w,
+                desc_ds,
+                desc_k,
+                comptime!(d as u32 / 2),
+                1u32,
+                1u32,
+                comptime!(if kk == 0 { 0u32 } else { 1u32 }),
+            );
+        }
+        wgmma_commit_group();
+        wgmma_fence_operands(&mut dk_acc);
+        wgmma_rs_block::<F, N>(&mut dk_acc, &ds_frags, &qs, q_off, bq, d);
+        wgmma_wait_group(1u32);
+        wgmma_fence_operands(&mut dq_acc_w);
+        wgmma_fence_operands(&mut dv_acc);
+
+        // Stage this warpgroup's dQ half as f32 rows for the next barrier's reductions.
+        let qrow_lo = 16 * (warp % 4) + r_lo;
+        let qrow_hi = 16 * (warp % 4) + r_hi;
+        #[unroll]
+        for dt in 0..comptime!(d / 16) {
+            let pair = wg * comptime!(d / 4) + 4 * dt + c_lo / 2;
+            let frag = dq_acc_w.index(dt);
+            dqs[qrow_lo * pitch + pair] = frag[0];
+            dqs[qrow_hi * pitch + pair] = frag[1];
+        }
+        sync_async_proxy_shared();
+        staged_q0 = q0;
+        staged_h = h;
+        blk = next_blk;
+        h_off = next_h_off;
+    }
+    wgmma_wait_group(0u32);
+    wgmma_fence_operands(&mut dk_acc);
+    sync_cube();
+    reduce_dq_rows(&dqs, dq_acc, b, staged_h, staged_q0, seq, d);
+    if t < bq {
+        tma_group_wait_read(0u32);
+    }
+
+    write_dkdv::<F>(
+        dk, dv, &dk_acc, &dv_acc, b, hk, wk0, r_lo, r_hi, c_lo, 0usize, seq, scale, d_tiles, 1usize,
+    );
+}
+
+/// Launches [`flash_bwd_dkdv_wgmma`], its dQ added to `dq_acc` (f32 in dq's layout).
+///
+/// # Panics
+/// Where the rows are not 16-byte aligned or the head dim is not 64 or 128 (the kernel
+/// selection never asks for it there).
+pub(super) fn launch<R: CubeRuntime>(args: &BwdArgs<R>, dq_acc: &CubeTensor<R>) {
+    let dims = args.dims;
+    assert!(
+        args.nv == 8 && matches!(dims.head_dim, 64 | 128),
+        "flash attention: backward {} needs 16-byte rows and head dim 64 or 128; got vectors \
+         of {} at head dim {}",
+        FlashBackward::Wgmma.name(),
+        args.nv,
+        dims.head_dim
+    );
+    // SAFETY: global reads are guarded by `seq` (rows past it are zero-filled in shared
+    // memory), writes by `key < seq`; the swizzled tiles are 1024-byte aligned and
+    // `sw128_chunk` stays inside them; each bulk reduction adds one dQ row (4 d bytes) at a
+    // 16-byte aligned address of `dq_acc` (dq's layout, rows < seq only).
+    unsafe {
+        flash_bwd_dkdv_wgmma::launch_unchecked::<R>(
+            &args.q.client,
+            kv_blocks(dims, WGMMA_BWD_KEYS),
+            CubeDim::new_1d(256),
+            args.nv,
+            args.q.clone().into_tensor_arg(),
+            args.k.clone().into_tensor_arg(),
+            args.v.clone().into_tensor_arg(),
+            args.d_o.clone().into_tensor_arg(),
+            args.lse.clone().into_tensor_arg(),
+            args.delta.clone().into_tensor_arg(),
+            args.dk.clone().into_tensor_arg(),
+            args.dv.clone().into_tensor_arg(),
+            dq_acc.clone().into_tensor_arg(),
+            args.scale,
+            dims.seq as u32,
+            dims.group() as u32,
+            dims.head_dim,
+            args.q.dtype.into(),
+        );
+    }
+}
