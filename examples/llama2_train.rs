@@ -6,256 +6,25 @@
 //! cargo run --release --example llama2_train -- --nproc-per-node 2    # 2 CPU thread-ranks, sharded
 //! llama2_train --device cuda --model 1b --seq-len 4096 --micro-batch 1 # every visible GPU
 //! smp-run --nproc-per-node 8 -- llama2_train --device cuda ...        # one process per GPU
+//! llama2_train --config run.toml --steps 50                           # a file, one flag over it
 //! ```
 //!
-//! MFU follows DESIGN.md: FLOPs per token `6 * N + 12 * L * H * S` (N = parameters outside the
-//! token embedding, LM head included), against 989.4 TFLOP/s dense bf16 per H100/H200.
+//! Every flag is also a key of the TOML file `--config` reads (`llama::train::TrainConfig`
+//! holds both); flags typed override the file, which overrides the defaults.
+//!
+//! MFU: FLOPs per token `6 * N + 12 * L * H * S` (N = parameters outside the token embedding,
+//! LM head included) per GPU, against the GPU's dense bf16 tensor-core peak, looked up by its
+//! CUDA device name (`llama::metrics::PEAK_FLOPS_16BIT`) or given with `--peak-tflops`. A GPU
+//! the table lacks, or f32 compute, reports no MFU.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::backend::{Autodiff, NdArray};
-use clap::Parser;
 use collectives::{CommOptions, Communicator, RendezvousConfig, run_on_threads};
-use llama::train::{self, Prepared, Summary, TrainConfig};
+use llama::LlamaError;
+use llama::train::{self, Prepared, ResolvedConfig, Summary, TrainConfig};
 use smp_burn::mesh::Mesh;
-use smp_burn::{ParallelDims, Precision};
-
-#[derive(Parser, Debug)]
-#[command(
-    about = "Train Llama 2 with smp-burn (sharded data and tensor parallelism on CPU threads or GPUs)"
-)]
-struct Cli {
-    /// Read the run's configuration from a TOML file (command-line flags override it).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Write the effective configuration to this TOML file and exit.
-    #[arg(long)]
-    write_config: Option<PathBuf>,
-    /// `cpu` (NdArray backend, f32) or `cuda` (Burn's CUDA backend; see `--param-dtype`).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Ranks to run in this process: CPU thread-ranks, or GPUs (default: every visible GPU).
-    /// Ignored when launched by smp-run, torchrun or Slurm (RANK / SLURM_PROCID set).
-    #[arg(long)]
-    nproc_per_node: Option<usize>,
-    /// Model preset: tiny, small, 1b, 7b, 13b, 70b.
-    #[arg(long)]
-    model: Option<String>,
-    /// Tokens per sequence.
-    #[arg(long)]
-    seq_len: Option<usize>,
-    /// Override the preset's number of decoder layers.
-    #[arg(long)]
-    layers: Option<usize>,
-    /// Sequences per data-parallel rank per micro-batch (a tensor-parallel group shares them).
-    #[arg(long)]
-    micro_batch: Option<usize>,
-    /// Tokens per optimizer step over all ranks (gradient accumulation fills it).
-    #[arg(long)]
-    global_batch_tokens: Option<usize>,
-    /// Optimizer steps.
-    #[arg(long)]
-    steps: Option<u64>,
-    /// Peak learning rate.
-    #[arg(long)]
-    lr: Option<f64>,
-    /// Warmup steps.
-    #[arg(long)]
-    warmup_steps: Option<u64>,
-    /// Seed of initialization and data order.
-    #[arg(long)]
-    seed: Option<u64>,
-    /// `embedded` (Shakespeare) or a text file, `.gz`, directory or JSONL file.
-    #[arg(long)]
-    data: Option<String>,
-    /// A tokenizer.json to use instead of training a BPE tokenizer on the corpus.
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
-    /// Vocabulary size of the trained tokenizer.
-    #[arg(long)]
-    vocab_size: Option<usize>,
-    /// Output directory (metrics.jsonl, loss.svg, checkpoints/).
-    #[arg(long)]
-    out_dir: Option<PathBuf>,
-    /// Save a checkpoint every N steps (always at the end).
-    #[arg(long)]
-    checkpoint_interval: Option<u64>,
-    /// Evaluate every N steps (always at the end).
-    #[arg(long)]
-    eval_interval: Option<u64>,
-    /// Continue from the latest checkpoint in the output directory.
-    #[arg(long)]
-    resume: bool,
-    /// Start afresh in an output directory that holds another run, replacing its checkpoints,
-    /// metrics and export (without it, or --resume, that is refused).
-    #[arg(long, conflicts_with = "resume")]
-    overwrite: bool,
-    /// Write no checkpoints (throughput runs of large models).
-    #[arg(long)]
-    no_checkpoint: bool,
-    /// Start from a Hugging Face Llama checkpoint directory.
-    #[arg(long)]
-    init_from_hf: Option<PathBuf>,
-    /// Export a Hugging Face checkpoint here at the end (`none` to skip).
-    #[arg(long)]
-    export_hf: Option<String>,
-    /// Generate text from this prompt at the end (`none` to skip).
-    #[arg(long)]
-    sample: Option<String>,
-    /// Shard parameters across groups of this many ranks and replicate across groups (0 = all).
-    #[arg(long)]
-    hybrid_shard_degree: Option<usize>,
-    /// Split each decoder layer across this many ranks (Megatron-style tensor parallelism with
-    /// sequence parallelism; 1 = off). Must divide the world size, `--seq-len`, the heads, the
-    /// key/value heads and the MLP width; FSDP then shards across the remaining ranks.
-    #[arg(long)]
-    tensor_parallel_degree: Option<usize>,
-    /// Start the next unit's all-gather before the current unit runs (1, the default) or not
-    /// (0). On CUDA the gather, and in the backward the reduce-scatter, then run beside the
-    /// compute: 7B on 2 H200s 432-439 against 459-463 ms per step.
-    #[arg(long)]
-    prefetch_depth: Option<usize>,
-    /// Recompute each block in the backward pass instead of storing its activations. On CUDA
-    /// the default recomputes as few layers as fit the GPU (see `--checkpointed-layers`).
-    #[arg(long)]
-    activation_checkpointing: Option<bool>,
-    /// Recompute only the first N decoder layers, keeping the others' activations (implies
-    /// `--activation-checkpointing true`; at least the number of layers means all).
-    #[arg(long)]
-    checkpointed_layers: Option<usize>,
-    /// Keep the input of each recomputed layer in host memory between its forward and its
-    /// backward (SMP's activation offloading). Implies `--activation-checkpointing true`. On
-    /// CUDA without `--checkpointed-layers`, the layers to recompute are chosen with the
-    /// offloaded inputs left out of the memory estimate. Results are unchanged.
-    #[arg(long)]
-    activation_offloading: bool,
-    /// With `--activation-offloading`, how many layers ahead of its backward a layer's input is
-    /// brought back (default 2).
-    #[arg(long)]
-    activation_loading_horizon: Option<usize>,
-    /// Bitwise reproducible CUDA kernels: the attention backward then sums dQ without atomics
-    /// at every head dim (7B steps about 1-4 % slower). The same as
-    /// `SMP_BURN_DETERMINISTIC=1`; CPU runs are always deterministic.
-    #[arg(long)]
-    deterministic: bool,
-    /// Compute dtype on CUDA: `bf16` (default; fp32 master weights and optimizer state) or
-    /// `f32`.
-    #[arg(long)]
-    param_dtype: Option<String>,
-    /// Hide the progress bar.
-    #[arg(long)]
-    no_progress: bool,
-}
-
-fn build_config(cli: &Cli) -> Result<TrainConfig, Box<dyn std::error::Error>> {
-    let mut c = match &cli.config {
-        Some(path) => TrainConfig::from_toml_file(path)?,
-        None => TrainConfig::default(),
-    };
-    macro_rules! set {
-        ($($field:ident),*) => { $( if let Some(v) = cli.$field.clone() { c.$field = v; } )* };
-    }
-    set!(
-        model,
-        seq_len,
-        micro_batch,
-        global_batch_tokens,
-        steps,
-        lr,
-        warmup_steps,
-        seed,
-        data,
-        vocab_size,
-        out_dir,
-        checkpoint_interval,
-        eval_interval
-    );
-    if cli.layers.is_some() {
-        c.layers = cli.layers;
-    }
-    if cli.tokenizer.is_some() {
-        c.tokenizer = cli.tokenizer.clone();
-    }
-    if cli.init_from_hf.is_some() {
-        c.init_from_hf = cli.init_from_hf.clone();
-    }
-    if cli.resume {
-        c.resume = true;
-    }
-    if cli.overwrite {
-        c.overwrite = true;
-    }
-    if cli.no_checkpoint {
-        c.checkpoints = false;
-    }
-    if cli.no_progress {
-        c.progress = false;
-    }
-    match cli.export_hf.as_deref() {
-        Some("none") => c.export_hf = None,
-        Some(dir) => c.export_hf = Some(dir.into()),
-        None if cli.out_dir.is_some() => c.export_hf = Some(c.out_dir.join("hf")),
-        None => {}
-    }
-    match cli.sample.as_deref() {
-        Some("none") => c.sample = None,
-        Some(p) => c.sample = Some(p.into()),
-        None => {}
-    }
-    if let Some(k) = cli.hybrid_shard_degree {
-        c.parallel.hybrid_shard_degree = k;
-    }
-    if let Some(tp) = cli.tensor_parallel_degree {
-        c.parallel.tensor_parallel_degree = tp;
-    }
-    if let Some(d) = cli.prefetch_depth {
-        c.parallel.prefetch_depth = d;
-    }
-    if let Some(a) = cli.activation_checkpointing {
-        c.parallel.activation_checkpointing = a;
-    }
-    if let Some(n) = cli.checkpointed_layers {
-        if cli.activation_checkpointing == Some(false) {
-            return Err(format!(
-                "--checkpointed-layers {n} asks for recomputation, --activation-checkpointing \
-                 false turns it off: give one of them"
-            )
-            .into());
-        }
-        c.parallel.activation_checkpointing = true;
-        c.parallel.checkpointed_layers = Some(n);
-    }
-    if cli.activation_offloading {
-        if cli.activation_checkpointing == Some(false) {
-            return Err(
-                "--activation-offloading moves the inputs that recomputed layers keep, \
-                 --activation-checkpointing false turns recomputation off: give one of them"
-                    .into(),
-            );
-        }
-        c.parallel.activation_offloading = true;
-        c.parallel.activation_checkpointing = true;
-    }
-    if let Some(h) = cli.activation_loading_horizon {
-        if !c.parallel.activation_offloading {
-            return Err(format!(
-                "--activation-loading-horizon {h} needs --activation-offloading (or \
-                 activation_offloading = true in the config file)"
-            )
-            .into());
-        }
-        c.parallel.activation_loading_horizon = h;
-    }
-    if cli.device == "cuda" {
-        c.parallel.param_dtype = match cli.param_dtype.as_deref() {
-            None | Some("bf16") => Precision::Bf16,
-            Some("f32") => Precision::F32,
-            Some(other) => return Err(format!("--param-dtype {other}: use bf16 or f32").into()),
-        };
-    }
-    Ok(c)
-}
+use smp_burn::{KernelConfig, ParallelDims};
 
 /// How many decoder layers to recompute so that the run fits one GPU
 /// (`LlamaConfig::layers_to_recompute`, from the memory estimate); all of them when the device
@@ -275,7 +44,8 @@ fn layers_to_recompute(config: &TrainConfig, dims: &ParallelDims) -> Result<usiz
     tracing::info!(
         "activation checkpointing: recomputing {recomputed} of {layers} layers; this run needs \
          about {:.0} GiB per GPU ({:.0} GiB recomputing none), {:.0} GiB is {} % of the GPU \
-         (--activation-checkpointing and --checkpointed-layers override)",
+         (--activation-checkpointing and --checkpointed-layers, or the config file's keys, \
+         override)",
         gib(need(recomputed)),
         gib(need(0)),
         gib(have / 100 * llama::config::MEMORY_BUDGET_PERCENT),
@@ -316,29 +86,69 @@ fn run_cuda_rank(
     type Inner = smp_burn::cuda::CudaCube;
     type B = Autodiff<Inner>;
     let device = burn::backend::cuda::CudaDevice::new(gpu);
-    let mesh = smp_burn::cuda::nccl_mesh::<Inner>(world, &prepared.config.parallel, gpu)?;
+    let mesh = smp_burn::mesh::nccl_mesh::<Inner>(world, &prepared.config.parallel, gpu)?;
     // Device-wide memory in use (the driver's view, so it includes CubeCL's pools and caches);
     // Burn 0.21 exposes no peak-allocation counter.
     let memory = smp_burn::cuda::memory_in_use(gpu)?;
+    let peak = peak_flops(&prepared.config, gpu);
     Ok(train::train_rank::<B>(
-        prepared,
-        mesh,
-        &device,
-        Some(train::H100_PEAK_FLOPS),
-        &memory,
+        prepared, mesh, &device, peak, &memory,
     )?)
 }
 
-/// Recomputes as few layers as fit the GPU, unless the command line or a config file chose.
+/// The peak FLOP/s MFU is measured against on `gpu`: `--peak-tflops`, else the table's figure
+/// for the device's name; `None`, said once per process, when neither gives one.
+#[cfg(feature = "cuda")]
+fn peak_flops(config: &TrainConfig, gpu: usize) -> Option<f64> {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let name = cuda_device_name(gpu);
+    let peak = llama::metrics::mfu_peak_flops(
+        name.as_deref(),
+        config.parallel.param_dtype,
+        config.peak_tflops,
+    );
+    match peak {
+        Ok(flops) => {
+            SAID.call_once(|| {
+                tracing::info!(
+                    "MFU against {:.1} TFLOP/s per GPU ({})",
+                    flops / 1e12,
+                    match config.peak_tflops {
+                        Some(_) => "--peak-tflops".to_string(),
+                        None => format!("dense bf16 peak of {}", name.as_deref().unwrap_or("?")),
+                    }
+                )
+            });
+            Some(flops)
+        }
+        Err(why) => {
+            SAID.call_once(|| tracing::info!("{why}"));
+            None
+        }
+    }
+}
+
+/// The CUDA device name of `gpu` ("NVIDIA H100 80GB HBM3"), from the driver; `None` without a
+/// driver or device.
+#[cfg(feature = "cuda")]
+fn cuda_device_name(gpu: usize) -> Option<String> {
+    if smp_burn::cuda::cuda_device_count() <= gpu {
+        return None;
+    }
+    let device = cudarc::driver::result::device::get(i32::try_from(gpu).ok()?).ok()?;
+    cudarc::driver::result::device::get_name(device).ok()
+}
+
+/// Recomputes as few layers as fit the GPU, unless the user fixed which ones (a flag or a
+/// config file key: `activation_checkpointing`, `checkpointed_layers`).
 #[cfg(feature = "cuda")]
 fn fit_to_gpu(
-    cli: &Cli,
+    resolved: &ResolvedConfig,
     mut config: TrainConfig,
     dims: &ParallelDims,
 ) -> Result<TrainConfig, DynError> {
-    if cli.activation_checkpointing.is_none()
-        && cli.checkpointed_layers.is_none()
-        && cli.config.is_none()
+    if !resolved.is_explicit("parallel.activation_checkpointing")
+        && !resolved.is_explicit("parallel.checkpointed_layers")
     {
         let recomputed = layers_to_recompute(&config, dims)?;
         config.parallel.activation_checkpointing = recomputed > 0;
@@ -356,7 +166,11 @@ fn fit_to_gpu(
 }
 
 #[cfg(not(feature = "cuda"))]
-fn fit_to_gpu(_: &Cli, config: TrainConfig, _: &ParallelDims) -> Result<TrainConfig, DynError> {
+fn fit_to_gpu(
+    _: &ResolvedConfig,
+    config: TrainConfig,
+    _: &ParallelDims,
+) -> Result<TrainConfig, DynError> {
     Ok(config)
 }
 
@@ -374,7 +188,7 @@ const NO_CUDA: &str = "--device cuda: this binary was built without the `cuda` f
 
 /// The GPUs this process can use, after setting up the kernel cache and logging what runs.
 #[cfg(feature = "cuda")]
-fn cuda_setup(cli: &Cli, config: &TrainConfig) -> Result<usize, DynError> {
+fn cuda_setup(config: &TrainConfig) -> Result<usize, DynError> {
     let gpus = smp_burn::cuda::cuda_device_count();
     if gpus == 0 {
         return Err("--device cuda: no CUDA device found (is the NVIDIA driver loaded?)".into());
@@ -387,9 +201,6 @@ fn cuda_setup(cli: &Cli, config: &TrainConfig) -> Result<usize, DynError> {
         ),
         Err(file) => tracing::info!("CubeCL configuration from {}", file.display()),
     }
-    if cli.deterministic {
-        smp_burn::cuda::flash::set_deterministic(Some(true));
-    }
     tracing::info!("{}", smp_burn::cuda::gemm::gemm_ordering_summary()?);
     // A Hugging Face checkpoint's head dim is known only once it is read; presets now.
     if config.init_from_hf.is_none()
@@ -401,7 +212,7 @@ fn cuda_setup(cli: &Cli, config: &TrainConfig) -> Result<usize, DynError> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_setup(_: &Cli, _: &TrainConfig) -> Result<usize, DynError> {
+fn cuda_setup(_: &TrainConfig) -> Result<usize, DynError> {
     Err(NO_CUDA.into())
 }
 
@@ -413,6 +224,10 @@ fn cuda_setup(_: &Cli, _: &TrainConfig) -> Result<usize, DynError> {
 fn install_panic_hook() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
+        // A third-party parser's panic that `llama::guard::catch` turns into an error.
+        if llama::guard::active() {
+            return;
+        }
         default(info);
         let msg = info
             .payload()
@@ -430,8 +245,8 @@ fn install_panic_hook() {
             eprintln!("error: a thread panicked; stopping (the last checkpoint is intact)");
         }
         // `_exit`, not `std::process::exit`: the latter runs the CUDA and NCCL libraries'
-        // teardown, which waited forever on a collective the panicked rank never joined (call AB:
-        // the surviving rank hung until killed) or crashed in it.
+        // teardown, which waited forever on a collective the panicked rank never joined (the
+        // surviving rank hung until killed) or crashed in it.
         _exit(101);
     }));
 }
@@ -450,36 +265,57 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     install_panic_hook();
-    let cli = Cli::parse();
-    if let Err(e) = run(cli) {
+    let resolved = match TrainConfig::from_args(std::env::args_os()) {
+        Ok(r) => r,
+        // Help, or a flag clap rejects: printed as clap formats it, with clap's exit status.
+        Err(LlamaError::Usage(e)) => e.exit(),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = run(resolved) {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
 }
 
-fn run(cli: Cli) -> Result<(), DynError> {
-    let config = build_config(&cli).map_err(|e| e.to_string())?;
-    if let Some(path) = &cli.write_config {
-        std::fs::write(path, config.to_toml())?;
+/// The kernel settings: the environment's SMP_BURN_KERNELS, then the config file's
+/// `[kernels]` and the kernel flags.
+fn kernel_config(config: &TrainConfig) -> Result<KernelConfig, DynError> {
+    use smp_burn::kernel_config::KERNELS_ENV;
+    let over_env = |e: LlamaError| match std::env::var(KERNELS_ENV) {
+        Ok(env) => format!("{e} (over {KERNELS_ENV}={env:?})"),
+        Err(_) => e.to_string(),
+    };
+    Ok(config
+        .kernels
+        .apply(KernelConfig::from_env()?)
+        .map_err(over_env)?)
+}
+
+fn run(resolved: ResolvedConfig) -> Result<(), DynError> {
+    if let Some(path) = &resolved.write_config {
+        std::fs::write(path, resolved.to_toml())?;
         println!("wrote {}", path.display());
         return Ok(());
     }
-    let cuda = match cli.device.as_str() {
-        "cpu" => false,
-        "cuda" => true,
-        other => return Err(format!("unknown device '{other}': use cpu or cuda").into()),
-    };
+    let config = resolved.config.clone();
+    // Before the first tensor: the kernel cache's directory is read when CUDA starts.
+    kernel_config(&config)?.install()?;
+    let cuda = config.device == "cuda";
     let launched = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
-    let gpus = if cuda { cuda_setup(&cli, &config)? } else { 0 };
+    let gpus = if cuda { cuda_setup(&config)? } else { 0 };
     // Check the layout against the world size before minutes of tokenizing.
+    let nproc = config.nproc_per_node.unwrap_or(if cuda { gpus } else { 1 });
     let world = if launched {
         RendezvousConfig::from_env()?.world_size
     } else {
-        cli.nproc_per_node.unwrap_or(if cuda { gpus } else { 1 })
+        nproc
     };
     let dims = ParallelDims::new(&config.parallel, world)?;
     let config = if cuda {
-        fit_to_gpu(&cli, config, &dims)?
+        fit_to_gpu(&resolved, config, &dims)?
     } else {
         config
     };
@@ -504,7 +340,7 @@ fn run(cli: Cli) -> Result<(), DynError> {
         };
         (rdv.rank, vec![out.map_err(|e| e.to_string())])
     } else {
-        let n = cli.nproc_per_node.unwrap_or(if cuda { gpus } else { 1 });
+        let n = nproc;
         if cuda && n > gpus {
             return Err(format!("--nproc-per-node {n} but only {gpus} GPU(s) are visible").into());
         }

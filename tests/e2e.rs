@@ -1,7 +1,11 @@
 //! End-to-end runs of the trainer behind `llama2_train` (`llama::train`): the `tiny` model on a
 //! 200 KB slice of the embedded Shakespeare corpus, on one and two CPU thread-ranks.
 //!
-//! Every run is short (a few steps of 4 x 32 tokens), so the whole file takes seconds.
+//! Every run is short (a few steps of 4 x 32 tokens), so the whole file takes seconds; one test
+//! runs the `llama2_train` binary itself, on its configuration only (no training).
+
+use std::path::PathBuf;
+use std::process::Command;
 
 use llama::LlamaConfig;
 use llama::hf;
@@ -455,4 +459,118 @@ fn layers_override_changes_only_the_depth() {
         300,
     );
     assert!(zero.is_err());
+}
+
+/// `checkpoints = false` (`--no-checkpoint`) wins over a checkpoint interval: no step saves.
+#[test]
+fn no_checkpoint_wins_over_an_interval() {
+    let fx = Fixture::new();
+    let summary = train(
+        TrainConfig {
+            steps: 2,
+            checkpoints: false,
+            checkpoint_interval: 1,
+            ..config(&fx, "no_ckpt")
+        },
+        1,
+    );
+    assert_eq!(summary.steps, 2);
+    let dir = fx.path("no_ckpt");
+    assert!(
+        dir.join("metrics.jsonl").exists(),
+        "the run wrote its metrics"
+    );
+    assert!(
+        !dir.join("checkpoints").exists(),
+        "a checkpoint was written to {}",
+        dir.display()
+    );
+}
+
+/// `llama2_train`, built as `launcher_training.rs` builds it (the same cargo command, so that
+/// the two share one build), into the profile directory this test runs from.
+fn llama2_train_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("<target>/<profile>/deps/<test>");
+    let target_dir = profile_dir.parent().expect("target directory");
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "-p", "collectives", "--bin", "smp-run"])
+        .args([
+            "-p",
+            "smp-llama",
+            "--example",
+            "llama2_train",
+            "-p",
+            "smp-burn",
+        ])
+        .env("CARGO_TARGET_DIR", target_dir);
+    match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("release") => cmd.arg("--release"),
+        Some("debug") => &mut cmd,
+        Some(other) => cmd.args(["--profile", other]),
+        None => panic!("profile directory {}", profile_dir.display()),
+    };
+    let status = cmd.status().expect("run cargo build");
+    assert!(
+        status.success(),
+        "building llama2_train failed ({status}): {cmd:?}"
+    );
+    profile_dir.join("examples").join("llama2_train")
+}
+
+/// The binary's configuration end to end, without training: a config file's misspelt key
+/// stops it with a non-zero status and a message naming the file, the key and the valid key;
+/// a flag given with a file overrides the file's value and leaves its other keys.
+#[test]
+fn llama2_train_config_file_and_flags() {
+    let bin = llama2_train_binary();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "model = \"tiny\"\n[parallel]\nprefetch_dept = 0\n").unwrap();
+    let out = Command::new(&bin)
+        .arg("--config")
+        .arg(&bad)
+        .output()
+        .expect("run llama2_train");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "exit status {}: {stderr}",
+        out.status
+    );
+    assert!(
+        stderr.contains(&bad.display().to_string())
+            && stderr.contains("`prefetch_dept`")
+            && stderr.contains("did you mean `parallel.prefetch_depth`"),
+        "{stderr}"
+    );
+
+    let good = dir.path().join("run.toml");
+    std::fs::write(
+        &good,
+        "steps = 7\nseq_len = 64\n[parallel]\nprefetch_depth = 0\n",
+    )
+    .unwrap();
+    let written = dir.path().join("effective.toml");
+    let out = Command::new(&bin)
+        .arg("--config")
+        .arg(&good)
+        .args(["--steps", "3", "--write-config"])
+        .arg(&written)
+        .output()
+        .expect("run llama2_train");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let effective = TrainConfig::from_toml_file(&written).expect("the written file reads back");
+    assert_eq!(effective.steps, 3, "the flag overrides the file");
+    assert_eq!(effective.seq_len, 64, "the file overrides the default");
+    assert_eq!(effective.parallel.prefetch_depth, 0);
+    assert_eq!(effective.micro_batch, TrainConfig::default().micro_batch);
 }

@@ -239,8 +239,10 @@ impl LlamaConfig {
             .unwrap_or(self.num_hidden_layers)
     }
 
-    /// Training FLOPs per token with the convention of DESIGN.md:
-    /// `6 * N + 12 * L * H * S`, N = parameters outside the token embedding (LM head included).
+    /// Training FLOPs per token as MFU counts them (the PaLM paper's convention, as torchtitan
+    /// computes it): `6 * N + 12 * L * H * S`, N = parameters outside the token embedding (LM
+    /// head included); the second term is attention's score and value products, counted as if
+    /// no position were masked.
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
         let n = (self.num_parameters() - self.vocab_size * self.hidden_size
             + if self.tie_word_embeddings {
@@ -263,9 +265,9 @@ mod tests {
 
     const GIB: f64 = (1u64 << 30) as f64;
 
-    /// The estimate against the memory measured on an H200 (docs/performance.md), and the
+    /// The estimate against the memory measured on an H200 (docs/benchmarks.md), and the
     /// choices it has to get right: neither the 1.2B model nor Llama 2 7B recomputes anything on
-    /// one 141 GB GPU at S=4096 (7B ran at 122.1 GiB, call CA), 7B at S=8192 must.
+    /// one 141 GB GPU at S=4096 (7B ran at 122.1 GiB), 7B at S=8192 must.
     #[test]
     fn memory_estimate_matches_measured_runs() {
         let b1 = LlamaConfig::preset("1b").unwrap();
@@ -279,7 +281,7 @@ mod tests {
         assert!(near(gib(&b7, 1, 0), 122.1), "{}", gib(&b7, 1, 0));
         assert!(near(gib(&b7, 1, 8), 120.2), "{}", gib(&b7, 1, 8));
         assert!(near(gib(&b7, 1, 16), 118.4), "{}", gib(&b7, 1, 16));
-        // Two ranks keep f32 gradients for the reduce-scatter (session 6, call BD: 87.6 GiB).
+        // Two ranks keep f32 gradients for the reduce-scatter (measured: 87.6 GiB).
         assert!(near(gib(&b7, 2, 0), 87.6), "{}", gib(&b7, 2, 0));
         // Fewer recomputed layers never need less memory (up to the last one: recomputing every
         // layer saves nothing over keeping the last one's graph, whose backward comes first).
@@ -299,7 +301,7 @@ mod tests {
         assert!(gib(&b7, 2, 0) < gib(&b7, 1, 0) - 40.0);
         let tp2 = b7.training_memory_estimate(4096, 1, 2, 0, None) as f64 / GIB;
         assert!(tp2 < gib(&b7, 1, 0) - 40.0);
-        // Tensor parallelism 2 at S=32,768 (calls BD and CG): 73.7 GiB with every layer
+        // Tensor parallelism 2 at S=32,768 (measured): 73.7 GiB with every layer
         // recomputed, 129.5 GiB with none, which the automatic choice (none) kept.
         let tp_long = |n| b7.training_memory_estimate(32768, 1, 2, n, None) as f64 / GIB;
         assert!(near(tp_long(32), 73.7), "{}", tp_long(32));
@@ -309,7 +311,7 @@ mod tests {
 
     /// Offloading takes the recomputed layers' inputs off the device but for the horizon's
     /// (Llama 2 7B at S=65,536: 32 inputs of 0.5 GiB against 3), and changes nothing when no
-    /// layer recomputes. Not measured on a GPU yet (docs/performance.md, session 8).
+    /// layer recomputes. Not measured on a GPU yet.
     #[test]
     fn offloading_frees_the_recomputed_layers_inputs() {
         let b7 = LlamaConfig::preset("7b").unwrap();

@@ -36,6 +36,10 @@ pub enum LlamaError {
     /// A collective or parallel-layout error from the lower layers.
     #[error(transparent)]
     Parallel(#[from] smp_burn::SmpError),
+    /// A command line clap rejects, or `--help`: [`clap::Error::exit`] prints it as clap
+    /// formats it and exits with clap's status (0 for help).
+    #[error(transparent)]
+    Usage(#[from] clap::Error),
 }
 
 impl LlamaError {

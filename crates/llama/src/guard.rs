@@ -43,6 +43,6 @@ mod tests {
         let e = catch(|| -> u32 { panic!("bad input {}", 7) }).unwrap_err();
         assert_eq!(e, "bad input 7");
         assert!(!active());
-        assert_eq!(catch(|| active()), Ok(true));
+        assert_eq!(catch(active), Ok(true));
     }
 }

@@ -1,4 +1,5 @@
-//! Training metrics: a JSON-lines log (one object per step) and a dependency-free SVG loss chart.
+//! Training metrics: a JSON-lines log (one object per step), a dependency-free SVG loss chart,
+//! and the GPUs' peak FLOP/s that model FLOPs utilisation (MFU) is measured against.
 
 use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
@@ -6,6 +7,8 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Deserializer, Serialize};
+
+use smp_burn::Precision;
 
 use crate::error::{LlamaError, Result};
 
@@ -376,6 +379,107 @@ fn xml_escape(s: &str) -> String {
         .replace('\'', "&apos;")
 }
 
+/// Dense (no 2:4 sparsity) tensor-core peak FLOP/s per GPU for 16-bit inputs, bf16 or f16,
+/// with fp32 accumulation (the two are equal on every GPU listed): the denominator of MFU when
+/// the model computes in bf16. Looked up by [`device_peak_flops`] on the CUDA device name
+/// (`cuDeviceGetName`: "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"); an entry matches when
+/// each of its words is a word of the name, and the first match wins, so a variant (PCIe, NVL)
+/// comes before its family.
+///
+/// The figures are NVIDIA's: datasheets print them with sparsity, twice the dense rate,
+/// marked with an asterisk. Sources, dense:
+/// - B200, B100: HGX B200 / HGX B100 datasheets, 36 / 28 PFLOP/s FP16/BF16 with sparsity for
+///   8 GPUs. GB200: GB200 NVL72 datasheet, 360 PFLOP/s with sparsity for 72 GPUs.
+/// - H100 SXM 989.4, PCIe 756: the NVIDIA H100 Tensor Core GPU Architecture whitepaper
+///   (Table: "Peak BF16 Tensor TFLOPS with FP32 Accumulate"); H100 NVL: H100 datasheet,
+///   1,671 with sparsity.
+/// - H200 and H200 NVL: H200 datasheet, 1,979 / 1,671 with sparsity. GH200: GH200 datasheet,
+///   1,979 with sparsity. H800: H100 silicon with a narrower NVLink, the H100's rates.
+/// - H20: no public NVIDIA datasheet; 148 is the dense FP16/BF16 figure of NVIDIA's partner
+///   spec sheets.
+/// - A100 (SXM and PCIe) and A800: A100 datasheet, 312 (624 with sparsity). A30: 165. A40:
+///   149.7. A10: 125 (their datasheets).
+/// - A10G (AWS G5): no NVIDIA datasheet; 70 is the figure quoted for it: GA102's rate with
+///   fp32 accumulation at half speed, as on GeForce GA102, at its 80 SMs. Least certain
+///   entry: set `--peak-tflops` from a measurement where it matters.
+/// - L40S 362.05, L40 181.05, L4 121: their datasheets (733 / 362.1 / 242 with sparsity).
+/// - RTX 4090 165.2 and RTX 3090 71: the Ada (AD102) and Ampere (GA102) whitepapers, "Peak
+///   BF16 Tensor TFLOPS with FP32 Accumulate" (GeForce runs fp32 accumulation at half the
+///   fp16-accumulate rate).
+pub const PEAK_FLOPS_16BIT: &[(&str, f64)] = &[
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("B100", 1.75e15),
+    ("GH200", 989.4e12),
+    ("H200 NVL", 835.5e12),
+    ("H200", 989.4e12),
+    ("H100 NVL", 835.5e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989.4e12),
+    ("H800 PCIe", 756e12),
+    ("H800", 989.4e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("A30", 165e12),
+    ("A40", 149.7e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L40S", 362.05e12),
+    ("L40", 181.05e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165.2e12),
+    ("RTX 3090", 71e12),
+];
+
+/// The dense 16-bit tensor-core peak of the GPU named `device_name` ([`PEAK_FLOPS_16BIT`]), or
+/// `None` for a GPU the table lacks. Words are compared whole and without case, so "A10" is
+/// not "A100" and "L4" not "L40S".
+pub fn device_peak_flops(device_name: &str) -> Option<f64> {
+    let words = |s: &str| -> Vec<String> {
+        s.split(|c: char| !c.is_ascii_alphanumeric())
+            .filter(|w| !w.is_empty())
+            .map(str::to_ascii_uppercase)
+            .collect()
+    };
+    let name = words(device_name);
+    PEAK_FLOPS_16BIT
+        .iter()
+        .find(|(pattern, _)| words(pattern).iter().all(|w| name.contains(w)))
+        .map(|&(_, flops)| flops)
+}
+
+/// The peak FLOP/s per GPU that MFU is measured against: `peak_tflops` where the user gave it,
+/// else the table's figure for `device_name` when the model computes in bf16.
+///
+/// # Errors
+/// Why there is no MFU figure, in one line that says how to get one: f32 compute (the table
+/// holds 16-bit rates), a device the table lacks (named), or no device name.
+pub fn mfu_peak_flops(
+    device_name: Option<&str>,
+    compute: Precision,
+    peak_tflops: Option<f64>,
+) -> std::result::Result<f64, String> {
+    if let Some(t) = peak_tflops {
+        return Ok(t * 1e12);
+    }
+    let how = "set the GPU's peak with --peak-tflops N (peak_tflops = N in a config file)";
+    if compute == Precision::F32 {
+        return Err(format!(
+            "MFU is not reported for f32 compute (the peak table holds 16-bit tensor-core \
+             rates); {how}"
+        ));
+    }
+    match device_name {
+        Some(name) => device_peak_flops(name).ok_or_else(|| {
+            format!("MFU is not reported: no peak FLOP/s known for the GPU \"{name}\"; {how}")
+        }),
+        None => Err(format!(
+            "MFU is not reported: the CUDA device name could not be read; {how}"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -480,5 +584,67 @@ mod tests {
         assert_eq!(nice_step(700.0), 1000.0);
         assert_eq!(decimals_for(0.2), 1);
         assert_eq!(decimals_for(5.0), 0);
+    }
+
+    /// Names as `cuDeviceGetName` reports them find their GPU's row, variants before their
+    /// family and whole words only.
+    #[test]
+    fn peak_table_matches_device_names() {
+        for (name, peak) in [
+            ("NVIDIA H200", 989.4e12),
+            ("NVIDIA H200 NVL", 835.5e12),
+            ("NVIDIA H100 80GB HBM3", 989.4e12),
+            ("NVIDIA H100 PCIe", 756e12),
+            ("NVIDIA H100 NVL", 835.5e12),
+            ("NVIDIA GH200 480GB", 989.4e12),
+            ("NVIDIA H20", 148e12),
+            ("NVIDIA A100-SXM4-80GB", 312e12),
+            ("NVIDIA A100-PCIE-40GB", 312e12),
+            ("NVIDIA A100 80GB PCIe", 312e12),
+            ("NVIDIA A10G", 70e12),
+            ("NVIDIA A10", 125e12),
+            ("NVIDIA L4", 121e12),
+            ("NVIDIA L40S", 362.05e12),
+            ("NVIDIA B200", 2.25e15),
+            ("NVIDIA GB200", 2.5e15),
+            ("NVIDIA GeForce RTX 4090", 165.2e12),
+        ] {
+            assert_eq!(device_peak_flops(name), Some(peak), "{name}");
+        }
+        for unknown in [
+            "NVIDIA GeForce GTX 1080",
+            "Tesla V100-SXM2-16GB",
+            "NVIDIA A2",
+            "",
+        ] {
+            assert_eq!(device_peak_flops(unknown), None, "{unknown}");
+        }
+    }
+
+    /// The override wins; without it f32 compute and an unknown GPU give no MFU, with a
+    /// message that names the GPU and the flag.
+    #[test]
+    fn mfu_peak_comes_from_the_device_or_the_override() {
+        let bf16 = Precision::Bf16;
+        assert_eq!(
+            mfu_peak_flops(Some("NVIDIA H200"), bf16, None),
+            Ok(989.4e12)
+        );
+        assert_eq!(
+            mfu_peak_flops(Some("NVIDIA H200"), bf16, Some(500.0)),
+            Ok(500e12)
+        );
+        assert_eq!(
+            mfu_peak_flops(Some("Mystery GPU"), bf16, Some(100.0)),
+            Ok(100e12)
+        );
+        let e = mfu_peak_flops(Some("Mystery GPU"), bf16, None).unwrap_err();
+        assert!(
+            e.contains("\"Mystery GPU\"") && e.contains("--peak-tflops"),
+            "{e}"
+        );
+        let e = mfu_peak_flops(Some("NVIDIA H200"), Precision::F32, None).unwrap_err();
+        assert!(e.contains("f32") && e.contains("--peak-tflops"), "{e}");
+        assert!(mfu_peak_flops(None, bf16, None).is_err());
     }
 }

@@ -1,15 +1,21 @@
 //! The training loop behind `llama2_train`: data, schedule, gradient accumulation, evaluation,
-//! checkpoints, metrics, export and sampling, for one rank of any data-parallel layout.
+//! checkpoints, metrics, export and sampling, for one rank of any data-parallel layout; and the
+//! run's configuration, [`TrainConfig`], which is at once the command line and the TOML file.
 
+use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::tensor::{Int, Tensor, TensorData, backend::AutodiffBackend};
+use clap::parser::ValueSource;
+use clap::{ArgAction, Args, CommandFactory, FromArgMatches, Parser};
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 use smp_burn::engine::{Init, StateKind};
 use smp_burn::fsdp::AdamW;
 use smp_burn::mesh::Mesh;
-use smp_burn::{ParallelConfig, ParallelDims};
+use smp_burn::{KernelConfig, ParallelConfig, ParallelDims, Precision};
 
 use crate::config::LlamaConfig;
 use crate::data::{Batch, DataPosition, TokenDataset};
@@ -19,131 +25,604 @@ use crate::metrics::{MetricsLog, StepMetrics, write_loss_plot_svg};
 use crate::parallel::{Build, LlamaEngine, build, seeded_init};
 use crate::tokenizer::TextTokenizer;
 
-/// Peak dense bf16 FLOP/s of an H100/H200 SXM, the denominator of MFU (DESIGN.md).
-pub const H100_PEAK_FLOPS: f64 = 989.4e12;
-
-/// Everything a training run needs besides the model shape; serializable so that a run can be
-/// described by (and written out as) a TOML file.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+/// Everything a training run needs besides the model shape.
+///
+/// The one description of the run's settings: each field is a key of the TOML file
+/// `llama2_train --config` reads (`seq_len = 256`; the sections `[parallel]`, `[kernels]` and
+/// `[adamw]` are tables) and, but for `adamw`, a flag of `llama2_train` (`--seq-len 256`), with
+/// its default written once, on the field. [`TrainConfig::from_args`] layers them: the default,
+/// then the file, then the flags typed on the command line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
+#[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
-    /// Model preset name (see [`LlamaConfig::preset`]); ignored when `init_from_hf` is set.
+    /// `cpu` (NdArray backend, f32) or `cuda` (Burn's CUDA backend, bf16 by default).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
+    /// Ranks to run in this process: CPU thread-ranks, or GPUs (default: 1 on the CPU, every
+    /// visible GPU with cuda). Ignored when launched by smp-run, torchrun or Slurm (RANK or
+    /// SLURM_PROCID set).
+    #[arg(long)]
+    pub nproc_per_node: Option<usize>,
+    /// Model preset: tiny, small, 1b, 7b, 13b, 70b; ignored with `init_from_hf`.
+    #[arg(long, default_value = "small")]
     pub model: String,
     /// Overrides the preset's number of decoder layers (a 70B-wide model with a few layers
     /// shows per-rank memory and step time of the real widths on fewer GPUs).
+    #[arg(long)]
     pub layers: Option<usize>,
     /// Vocabulary size of the tokenizer trained on the corpus (when none is given).
+    #[arg(long, default_value_t = 2048)]
     pub vocab_size: usize,
     /// Tokens per training sequence.
+    #[arg(long, default_value_t = 128)]
     pub seq_len: usize,
     /// Sequences per data-parallel rank per micro-batch (the ranks of a tensor-parallel group
     /// share them, each taking its chunk of the sequence).
+    #[arg(long, default_value_t = 16)]
     pub micro_batch: usize,
-    /// Tokens per optimizer step over all ranks; 0 = one micro-batch per rank.
+    /// Tokens per optimizer step over all ranks, filled by gradient accumulation; 0 = one
+    /// micro-batch per rank.
+    #[arg(long, default_value_t = 0)]
     pub global_batch_tokens: usize,
     /// Optimizer steps.
+    #[arg(long, default_value_t = 400)]
     pub steps: u64,
     /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
     /// Final learning rate of the cosine decay.
+    #[arg(long, default_value_t = 3e-4)]
     pub min_lr: f64,
     /// Linear warmup steps.
+    #[arg(long, default_value_t = 30)]
     pub warmup_steps: u64,
-    /// AdamW hyper-parameters.
+    /// AdamW hyper-parameters (the `[adamw]` table of a config file; no flags).
+    #[arg(skip)]
     pub adamw: AdamW,
     /// Clip the global gradient norm to this value; 0 = off.
+    #[arg(long, default_value_t = 1.0)]
     pub grad_clip: f64,
     /// Seed of initialization and data order.
+    #[arg(long, default_value_t = 1234)]
     pub seed: u64,
-    /// `embedded` (the Shakespeare corpus in the binary) or a path: text, `.gz`, directory, JSONL.
+    /// `embedded` (the Shakespeare corpus in the binary) or a path: text, `.gz`, directory,
+    /// JSONL.
+    #[arg(long, default_value = "embedded")]
     pub data: String,
     /// JSONL field holding the text.
+    #[arg(long, default_value = "text")]
     pub text_field: String,
-    /// A `tokenizer.json` to use instead of training one.
+    /// A `tokenizer.json` to use instead of training a BPE tokenizer on the corpus.
+    #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Fraction of the corpus held out for validation.
+    #[arg(long, default_value_t = 0.02)]
     pub val_fraction: f64,
     /// Evaluate every this many steps (and at the end); 0 = only at the end.
+    #[arg(long, default_value_t = 100)]
     pub eval_interval: u64,
     /// Validation batches per evaluation.
+    #[arg(long, default_value_t = 8)]
     pub eval_batches: usize,
-    /// Where checkpoints, metrics and plots go.
+    /// Where checkpoints, metrics.jsonl and loss.svg go.
+    #[arg(long, default_value = "runs/llama2")]
     pub out_dir: PathBuf,
     /// Save a checkpoint every this many steps (and at the end); 0 = only at the end.
+    #[arg(long, default_value_t = 0)]
     pub checkpoint_interval: u64,
-    /// Write checkpoints at all (off for throughput benchmarks of large models).
+    /// Write checkpoints at all; off, no step saves one whatever `checkpoint_interval` says.
+    /// The flag is `--no-checkpoint`.
+    #[arg(
+        long = "no-checkpoint",
+        action = ArgAction::SetFalse,
+        help = "Write no checkpoints, not even at checkpoint_interval (throughput runs of large \
+                models); the config key is checkpoints = false"
+    )]
     pub checkpoints: bool,
     /// Continue from the latest checkpoint in `out_dir`.
+    #[arg(long)]
     pub resume: bool,
     /// Start a fresh run in an `out_dir` (or export directory) that holds another run's
     /// checkpoints, metrics or export, replacing them; without it (or `resume`) that is an
     /// error, so that no run destroys another's data.
+    #[arg(long, conflicts_with = "resume")]
     pub overwrite: bool,
     /// Start from a Hugging Face Llama directory's weights (and its config.json).
+    #[arg(long)]
     pub init_from_hf: Option<PathBuf>,
-    /// Write a Hugging Face checkpoint here at the end.
+    /// Write a Hugging Face checkpoint here at the end; `none` for no export. Default:
+    /// `<out_dir>/hf`.
+    #[arg(long, value_name = "DIR|none")]
+    #[serde(with = "none_means_off")]
     pub export_hf: Option<PathBuf>,
-    /// Dtype of the exported weights.
+    /// Dtype of the exported weights: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
     pub export_dtype: String,
-    /// Generate text from this prompt at the end.
+    /// Generate text from this prompt at the end; `none` for no sample.
+    #[arg(long, default_value = "ROMEO:", value_name = "PROMPT|none")]
+    #[serde(with = "none_means_off")]
     pub sample: Option<String>,
     /// Tokens to generate.
+    #[arg(long, default_value_t = 120)]
     pub sample_tokens: usize,
-    /// Parallelism.
-    pub parallel: ParallelConfig,
-    /// Show a progress bar (rank 0).
+    /// Peak FLOP/s per GPU for MFU, in TFLOP/s, for a GPU the built-in table does not know
+    /// (or to count against another peak). Default: the table's dense bf16 figure for the CUDA
+    /// device's name (`llama::metrics::PEAK_FLOPS_16BIT`).
+    #[arg(long, value_name = "TFLOPS")]
+    pub peak_tflops: Option<f64>,
+    /// Show a progress bar (rank 0). The flag is `--no-progress`.
+    #[arg(long = "no-progress", action = ArgAction::SetFalse, help = "Hide the progress bar")]
     pub progress: bool,
+    /// Parallelism: the `[parallel]` table of a config file.
+    #[command(flatten)]
+    pub parallel: ParallelSection,
+    /// Kernel settings over `SMP_BURN_KERNELS`: the `[kernels]` table of a config file.
+    #[command(flatten)]
+    pub kernels: KernelSection,
 }
 
 impl Default for TrainConfig {
+    /// The flags' defaults, and the export under `out_dir`.
     fn default() -> Self {
+        let mut c: Self = flag_defaults();
+        c.export_hf = Some(c.out_dir.join("hf"));
+        c
+    }
+}
+
+/// A value of type `T` with every flag at its default: the defaults are written on the fields'
+/// `#[arg]` attributes only, and serde's defaults come from here.
+fn flag_defaults<T: Args + FromArgMatches>() -> T {
+    let command = T::augment_args(clap::Command::new("defaults"));
+    let matches = command
+        .try_get_matches_from(["defaults"])
+        .expect("every flag has a default or is optional");
+    T::from_arg_matches(&matches).expect("the defaults parse")
+}
+
+/// Serde for an `Option` whose `None` is written `"none"`, as on the command line
+/// (`--export-hf none`): a key left out of a config file means the default, not off.
+mod none_means_off {
+    use std::ffi::OsStr;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer, T: Serialize>(
+        value: &Option<T>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(v) => v.serialize(s),
+            None => s.serialize_str("none"),
+        }
+    }
+
+    pub fn deserialize<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+    where
+        D: Deserializer<'de>,
+        T: Deserialize<'de> + AsRef<OsStr>,
+    {
+        Ok(Option::<T>::deserialize(d)?.filter(|v| v.as_ref() != OsStr::new("none")))
+    }
+}
+
+/// The run's parallel layout: smp-burn's [`ParallelConfig`] with the trainer's defaults, its
+/// fields the `[parallel]` keys and flags of the same names (`--tensor-parallel-degree`).
+///
+/// It dereferences to the [`ParallelConfig`] the engine takes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(from = "ParallelFlags", into = "ParallelFlags")]
+pub struct ParallelSection(pub ParallelConfig);
+
+impl Default for ParallelSection {
+    fn default() -> Self {
+        ParallelFlags::default().into()
+    }
+}
+
+impl std::ops::Deref for ParallelSection {
+    type Target = ParallelConfig;
+    fn deref(&self) -> &ParallelConfig {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ParallelSection {
+    fn deref_mut(&mut self) -> &mut ParallelConfig {
+        &mut self.0
+    }
+}
+
+/// The flags and keys of [`ParallelSection`]; [`ParallelConfig`] belongs to smp-burn, which
+/// knows no command line, so its fields are listed again here, once, with the trainer's
+/// defaults and help.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
+#[serde(default, deny_unknown_fields)]
+#[command(next_help_heading = "Parallelism ([parallel] in a config file)")]
+struct ParallelFlags {
+    /// Shard parameters across groups of this many ranks and replicate across groups (0 = all
+    /// ranks: full sharding).
+    #[arg(long, default_value_t = 0)]
+    hybrid_shard_degree: usize,
+    /// Split each decoder layer across this many ranks (Megatron-style tensor parallelism with
+    /// sequence parallelism; 1 = off). Must divide the world size, `seq_len`, the heads, the
+    /// key/value heads and the MLP width; FSDP then shards across the remaining ranks.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_degree: usize,
+    /// Compute dtype: bf16 (fp32 master weights and optimizer state) or f32. Default: bf16
+    /// with `device = cuda`, f32 on the CPU.
+    #[arg(long, value_parser = parse_precision, default_value = "f32", hide_default_value = true)]
+    param_dtype: Precision,
+    /// Dtype gradients are reduced in: f32 or bf16.
+    #[arg(long, value_parser = parse_precision, default_value = "f32")]
+    reduce_dtype: Precision,
+    /// Recompute each decoder layer in the backward pass instead of storing its activations
+    /// (true or false). On CUDA, unless this or `checkpointed_layers` is set, the fewest layers
+    /// are recomputed that fit the GPU's memory.
+    #[arg(long, action = ArgAction::Set, default_value_t = false, value_name = "BOOL")]
+    activation_checkpointing: bool,
+    /// Recompute only the first N decoder layers, keeping the others' activations (implies
+    /// `activation_checkpointing`; at least the number of layers means all).
+    #[arg(long, value_name = "N")]
+    checkpointed_layers: Option<usize>,
+    /// Keep the input of each recomputed layer in host memory between its forward and its
+    /// backward (SMP's activation offloading; implies `activation_checkpointing`). On CUDA
+    /// without `checkpointed_layers`, the layers to recompute are chosen with the offloaded
+    /// inputs left out of the memory estimate. Results are unchanged.
+    #[arg(long)]
+    activation_offloading: bool,
+    /// With `activation_offloading`, how many layers ahead of its backward a layer's input is
+    /// brought back.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    activation_loading_horizon: usize,
+    /// With tensor parallelism, split the residual stream along the sequence between the split
+    /// regions (Megatron's sequence parallelism; true or false).
+    #[arg(long, action = ArgAction::Set, default_value_t = true, value_name = "BOOL")]
+    sequence_parallel: bool,
+    /// Start the next unit's all-gather before the current unit runs (1) or not (0). On CUDA
+    /// the gather, and in the backward the reduce-scatter, then run beside the compute: 7B on
+    /// 2 H200s 432-439 against 459-463 ms per step.
+    #[arg(long, default_value_t = 1)]
+    prefetch_depth: usize,
+}
+
+impl Default for ParallelFlags {
+    fn default() -> Self {
+        flag_defaults()
+    }
+}
+
+/// `bf16` or `f32`, as the TOML form spells [`Precision`].
+fn parse_precision(s: &str) -> std::result::Result<Precision, String> {
+    match s {
+        "bf16" => Ok(Precision::Bf16),
+        "f32" => Ok(Precision::F32),
+        other => Err(format!("'{other}': use bf16 or f32")),
+    }
+}
+
+impl From<ParallelFlags> for ParallelSection {
+    fn from(f: ParallelFlags) -> Self {
+        Self(ParallelConfig {
+            hybrid_shard_degree: f.hybrid_shard_degree,
+            tensor_parallel_degree: f.tensor_parallel_degree,
+            param_dtype: f.param_dtype,
+            reduce_dtype: f.reduce_dtype,
+            activation_checkpointing: f.activation_checkpointing,
+            checkpointed_layers: f.checkpointed_layers,
+            activation_offloading: f.activation_offloading,
+            activation_loading_horizon: f.activation_loading_horizon,
+            sequence_parallel: f.sequence_parallel,
+            prefetch_depth: f.prefetch_depth,
+        })
+    }
+}
+
+impl From<ParallelSection> for ParallelFlags {
+    fn from(s: ParallelSection) -> Self {
+        // Destructured without `..`: a field added to `ParallelConfig` must be given a flag.
+        let ParallelConfig {
+            hybrid_shard_degree,
+            tensor_parallel_degree,
+            param_dtype,
+            reduce_dtype,
+            activation_checkpointing,
+            checkpointed_layers,
+            activation_offloading,
+            activation_loading_horizon,
+            sequence_parallel,
+            prefetch_depth,
+        } = s.0;
         Self {
-            model: "small".into(),
-            layers: None,
-            vocab_size: 2048,
-            seq_len: 128,
-            micro_batch: 16,
-            global_batch_tokens: 0,
-            steps: 400,
-            lr: 3e-3,
-            min_lr: 3e-4,
-            warmup_steps: 30,
-            adamw: AdamW::default(),
-            grad_clip: 1.0,
-            seed: 1234,
-            data: "embedded".into(),
-            text_field: "text".into(),
-            tokenizer: None,
-            val_fraction: 0.02,
-            eval_interval: 100,
-            eval_batches: 8,
-            out_dir: PathBuf::from("runs/llama2"),
-            checkpoint_interval: 0,
-            checkpoints: true,
-            resume: false,
-            overwrite: false,
-            init_from_hf: None,
-            export_hf: Some(PathBuf::from("runs/llama2/hf")),
-            export_dtype: "bf16".into(),
-            sample: Some("ROMEO:".into()),
-            sample_tokens: 120,
-            parallel: ParallelConfig {
-                activation_checkpointing: false,
-                ..Default::default()
-            },
-            progress: true,
+            hybrid_shard_degree,
+            tensor_parallel_degree,
+            param_dtype,
+            reduce_dtype,
+            activation_checkpointing,
+            checkpointed_layers,
+            activation_offloading,
+            activation_loading_horizon,
+            sequence_parallel,
+            prefetch_depth,
         }
     }
 }
 
-impl TrainConfig {
-    /// Reads a TOML file; fields it omits keep their defaults.
-    pub fn from_toml_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| LlamaError::io(path, e))?;
-        toml::from_str(&text).map_err(|e| LlamaError::Config(format!("{}: {e}", path.display())))
+impl FromArgMatches for ParallelSection {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> std::result::Result<Self, clap::Error> {
+        ParallelFlags::from_arg_matches(matches).map(Self::from)
     }
 
-    /// The TOML text of this configuration.
+    fn update_from_arg_matches(
+        &mut self,
+        matches: &clap::ArgMatches,
+    ) -> std::result::Result<(), clap::Error> {
+        let mut flags = ParallelFlags::from(self.clone());
+        flags.update_from_arg_matches(matches)?;
+        *self = flags.into();
+        Ok(())
+    }
+}
+
+impl Args for ParallelSection {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        ParallelFlags::augment_args(cmd)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        ParallelFlags::augment_args_for_update(cmd)
+    }
+
+    fn group_id() -> Option<clap::Id> {
+        ParallelFlags::group_id()
+    }
+}
+
+/// Kernel settings layered over the environment's `SMP_BURN_KERNELS`
+/// ([`smp_burn::KernelConfig`]): the `[kernels]` table of a config file, with
+/// [`smp_burn::KernelConfig`]'s own TOML keys, and flags. A setting left out keeps the
+/// environment's value (or the default).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, Args)]
+#[serde(default, deny_unknown_fields)]
+#[command(next_help_heading = "Kernels ([kernels] in a config file, over SMP_BURN_KERNELS)")]
+pub struct KernelSection {
+    /// Fast CUDA paths: all, none, or names joined by `+` (gemm+attention+norm).
+    #[arg(long = "fast-paths", value_name = "PATHS")]
+    pub fast: Option<String>,
+    /// Bitwise reproducible CUDA kernels: the attention backward then sums dQ without atomics
+    /// at every head dim (7B steps about 1-4 % slower). `--deterministic` alone means true; CPU
+    /// runs are always deterministic.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub deterministic: Option<bool>,
+    /// The flash-attention forward kernel: mma-8x2, mma-4x2 or wgmma (default: the fastest for
+    /// the device and head dim).
+    #[arg(long, value_name = "KERNEL")]
+    pub flash_forward: Option<String>,
+    /// The flash-attention backward kernel: split, atomic, atomic-grid or wgmma (default: the
+    /// fastest for the device and head dim; split when deterministic).
+    #[arg(long, value_name = "KERNEL")]
+    pub flash_backward: Option<String>,
+    /// Where compiled CUDA kernels are cached (default: $XDG_CACHE_HOME/smp-burn/cubecl, else
+    /// ~/.cache/smp-burn/cubecl).
+    #[arg(long = "kernel-cache-dir", value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl KernelSection {
+    /// `base` (most often [`KernelConfig::from_env`]) with the settings given here applied.
+    ///
+    /// # Errors
+    /// A value [`KernelConfig`] does not accept, or settings that contradict each other
+    /// (deterministic kernels with a non-deterministic `flash_backward`), named in the message.
+    pub fn apply(&self, base: KernelConfig) -> Result<KernelConfig> {
+        // smp-burn reports kernel settings as its configuration errors, whose prefix says
+        // "parallel".
+        let kernel_error = |message: &str| {
+            let message = message.trim_start_matches("invalid parallel configuration: ");
+            LlamaError::Config(format!("kernel settings: {message}"))
+        };
+        // The given items, read by KernelConfig's own TOML form: it parses and checks them,
+        // and only they are taken over `base`.
+        let given = toml::Table::try_from(self).map_err(|e| kernel_error(&e.to_string()))?;
+        let parsed: KernelConfig = toml::Value::Table(given)
+            .try_into()
+            .map_err(|e: toml::de::Error| kernel_error(e.message()))?;
+        let mut c = base;
+        if self.fast.is_some() {
+            c.fast_paths = parsed.fast_paths;
+        }
+        if let Some(on) = self.deterministic {
+            c.deterministic = on;
+        }
+        if self.flash_forward.is_some() {
+            c.flash_forward = parsed.flash_forward;
+        }
+        if self.flash_backward.is_some() {
+            c.flash_backward = parsed.flash_backward;
+        }
+        if self.cache_dir.is_some() {
+            c.cache_dir = parsed.cache_dir;
+        }
+        c.validate().map_err(|e| kernel_error(&e.to_string()))?;
+        Ok(c)
+    }
+}
+
+/// `llama2_train`'s command line: a [`TrainConfig`], every field a flag, and the two options
+/// that read and write it as a TOML file.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "llama2_train",
+    about = "Train Llama 2 with smp-burn (sharded data and tensor parallelism on CPU threads or \
+             GPUs)",
+    after_help = "Precedence: built-in default < --config FILE < flags given here. Every flag \
+                  but --config and --write-config is also a key of the TOML file: --seq-len is \
+                  seq_len, the parallelism flags go in [parallel], the kernel flags in \
+                  [kernels]; --no-checkpoint is checkpoints = false, --no-progress is progress \
+                  = false, --fast-paths is fast and --kernel-cache-dir is cache_dir in \
+                  [kernels]. --write-config FILE shows the form."
+)]
+pub struct TrainArgs {
+    /// Read the run's configuration from this TOML file; flags given here override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Write the effective configuration to this TOML file and exit.
+    #[arg(long, value_name = "FILE")]
+    pub write_config: Option<PathBuf>,
+    /// The run.
+    #[command(flatten)]
+    pub train: TrainConfig,
+}
+
+/// Where a setting of a [`ResolvedConfig`] came from, lowest precedence first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Source {
+    /// The built-in default (or a value derived from other settings, such as `export_hf`).
+    Default,
+    /// The config file given with `--config`.
+    File,
+    /// A flag typed on the command line.
+    Flag,
+}
+
+/// A [`TrainConfig`] resolved from its layers, and which settings the user fixed: the trainer
+/// chooses the others (the layers to recompute on a GPU, the compute dtype by device).
+#[derive(Debug, Clone)]
+pub struct ResolvedConfig {
+    /// The run's configuration.
+    pub config: TrainConfig,
+    /// The source of every setting not left at its default, by dotted key
+    /// (`parallel.checkpointed_layers`).
+    pub sources: BTreeMap<String, Source>,
+    /// The file given with `--config`.
+    pub config_file: Option<PathBuf>,
+    /// Where `--write-config` asked the configuration to be written.
+    pub write_config: Option<PathBuf>,
+}
+
+/// Keys whose default follows other settings or the GPU, left out of a written config file
+/// unless the user set them, so that reading it back derives them again.
+const DERIVED_KEYS: [&str; 4] = [
+    "export_hf",
+    "parallel.param_dtype",
+    "parallel.activation_checkpointing",
+    "parallel.checkpointed_layers",
+];
+
+/// The top-level keys whose fields are flags too (flattened sections).
+const FLAG_SECTIONS: [&str; 2] = ["parallel", "kernels"];
+
+impl ResolvedConfig {
+    /// Where the setting `key` (dotted: `parallel.prefetch_depth`) came from.
+    pub fn source(&self, key: &str) -> Source {
+        self.sources.get(key).copied().unwrap_or(Source::Default)
+    }
+
+    /// Whether the user set `key`, in the config file or as a flag.
+    pub fn is_explicit(&self, key: &str) -> bool {
+        self.source(key) > Source::Default
+    }
+
+    /// The configuration as a TOML file: every key, but those whose defaults derive from other
+    /// settings (`export_hf`, `parallel.param_dtype`, `parallel.activation_checkpointing`,
+    /// `parallel.checkpointed_layers`) where the user left them to the trainer.
+    pub fn to_toml(&self) -> String {
+        let mut table = String::new();
+        let mut body = String::new();
+        let mut in_string = false;
+        // Filtered line by line to keep the struct's order (a `toml::Table` sorts its keys);
+        // the keys dropped are one-line scalars, and the lines of a multi-line string (a
+        // sample prompt) are kept as they are.
+        for line in self.config.to_toml().lines() {
+            let was_in_string = in_string;
+            if (line.matches("\"\"\"").count() + line.matches("'''").count()) % 2 == 1 {
+                in_string = !in_string;
+            }
+            if was_in_string {
+                body.push_str(line);
+                body.push('\n');
+                continue;
+            }
+            if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+                table = name.to_string();
+            }
+            let key = line.split_once(" = ").map(|(k, _)| match table.as_str() {
+                "" => k.to_string(),
+                t => format!("{t}.{k}"),
+            });
+            let derived = key
+                .as_deref()
+                .is_some_and(|k| DERIVED_KEYS.contains(&k) && !self.is_explicit(k));
+            if !derived {
+                body.push_str(line);
+                body.push('\n');
+            }
+        }
+        format!(
+            "# llama2_train --config FILE reads this; flags given with it override it. Left out\n\
+             # unless set, as they follow out_dir, device and the GPU's memory: {}.\n{body}",
+            DERIVED_KEYS.join(", ")
+        )
+    }
+}
+
+impl TrainConfig {
+    /// Resolves `llama2_train`'s command line (`args` starts with the program name): the
+    /// defaults, overridden by the TOML file of `--config` if any, overridden by the flags
+    /// typed. A file's section sets only the keys it names. Then the settings implied by
+    /// others: `checkpointed_layers` and `activation_offloading` turn on
+    /// `activation_checkpointing` (unless a higher layer turned it off), `export_hf` follows
+    /// `out_dir`, `param_dtype` is bf16 with `device = cuda`.
+    ///
+    /// # Errors
+    /// [`LlamaError::Usage`] for what clap rejects (and `--help`, which it reports the same
+    /// way); [`LlamaError::Config`] for a file that cannot be read or parsed, an unknown key
+    /// (named, with the closest valid key), a value of the wrong type, or settings that
+    /// contradict each other.
+    pub fn from_args<I, T>(args: I) -> Result<ResolvedConfig>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let matches = TrainArgs::command().try_get_matches_from(args)?;
+        let args = TrainArgs::from_arg_matches(&matches)?;
+        let defaults = to_json(&TrainConfig::default())?;
+        // The typed flags only: clap fills in the defaults of the others, which must not
+        // override the file.
+        let typed = to_json(&args.train)?;
+        let mut flags = Value::Object(Map::new());
+        for id in matches.ids() {
+            let id = id.as_str();
+            if matches.value_source(id) != Some(ValueSource::CommandLine) {
+                continue;
+            }
+            if let Some(path) = flag_key(&defaults, id) {
+                let value = lookup(&typed, &path).cloned().unwrap_or(Value::Null);
+                insert(&mut flags, &path, value);
+            }
+        }
+        let file = match &args.config {
+            Some(path) => Some((path.as_path(), read_layer(path, &defaults)?)),
+            None => None,
+        };
+        let mut resolved = resolve(defaults, file, flags)?;
+        resolved.write_config = args.write_config;
+        Ok(resolved)
+    }
+
+    /// Reads a TOML file: the keys it gives over the defaults, as `--config path` with no
+    /// other flag.
+    ///
+    /// # Errors
+    /// As [`TrainConfig::from_args`].
+    pub fn from_toml_file(path: &Path) -> Result<Self> {
+        let defaults = to_json(&TrainConfig::default())?;
+        let layer = read_layer(path, &defaults)?;
+        let flags = Value::Object(Map::new());
+        Ok(resolve(defaults, Some((path, layer)), flags)?.config)
+    }
+
+    /// The TOML text of this configuration, every key.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a TrainConfig always serializes")
     }
@@ -159,6 +638,384 @@ impl TrainConfig {
         self.min_lr
             + 0.5 * (self.lr - self.min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
     }
+}
+
+fn to_json(config: &TrainConfig) -> Result<Value> {
+    serde_json::to_value(config)
+        .map_err(|e| LlamaError::Config(format!("the configuration does not serialize: {e}")))
+}
+
+/// The key of flag `id`: a top-level key, or one of a flattened section's; `None` for the
+/// options that are no key (`--config`) and clap's argument groups.
+fn flag_key(defaults: &Value, id: &str) -> Option<Vec<String>> {
+    let top = defaults.as_object()?;
+    if top.get(id).is_some_and(|v| !v.is_object()) {
+        return Some(vec![id.to_string()]);
+    }
+    FLAG_SECTIONS
+        .iter()
+        .find(|s| top.get(**s).and_then(|t| t.get(id)).is_some())
+        .map(|s| vec![s.to_string(), id.to_string()])
+}
+
+fn lookup<'a>(value: &'a Value, path: &[String]) -> Option<&'a Value> {
+    path.iter().try_fold(value, |v, k| v.get(k))
+}
+
+fn insert(into: &mut Value, path: &[String], value: Value) {
+    let mut slot = into;
+    for key in path {
+        if !slot.is_object() {
+            *slot = Value::Object(Map::new());
+        }
+        slot = slot
+            .as_object_mut()
+            .expect("made an object")
+            .entry(key.clone())
+            .or_insert(Value::Null);
+    }
+    *slot = value;
+}
+
+/// Lays `layer` over `into`: tables key by key, anything else replaced.
+fn merge(into: &mut Value, layer: &Value) {
+    match (into, layer) {
+        (Value::Object(base), Value::Object(over)) => {
+            for (k, v) in over {
+                merge(base.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (slot, v) => *slot = v.clone(),
+    }
+}
+
+/// The dotted keys of a layer's values.
+fn leaf_keys(value: &Value, prefix: &str, out: &mut Vec<String>) {
+    if let Value::Object(m) = value {
+        for (k, v) in m {
+            let key = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            if v.is_object() {
+                leaf_keys(v, &key, out);
+            } else {
+                out.push(key);
+            }
+        }
+    }
+}
+
+/// A config file's keys as a layer, after checking that each is a key of the configuration.
+fn read_layer(path: &Path, defaults: &Value) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| LlamaError::io(path, e))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e| LlamaError::Config(format!("{}: {e}", path.display())))?;
+    check_keys(&table, defaults, defaults, "", path, &text)?;
+    serde_json::to_value(&table).map_err(|e| LlamaError::Config(format!("{}: {e}", path.display())))
+}
+
+/// Refuses a key the configuration (`known`, the defaults at this level of `root`) does not
+/// have, naming the file, the line, the key and the closest valid key: a misspelt key would
+/// otherwise leave its setting at the default without a word.
+fn check_keys(
+    table: &toml::Table,
+    known: &Value,
+    root: &Value,
+    prefix: &str,
+    path: &Path,
+    text: &str,
+) -> Result<()> {
+    let Some(known_keys) = known.as_object() else {
+        return Ok(());
+    };
+    for (key, value) in table {
+        let dotted = if prefix.is_empty() {
+            key.clone()
+        } else {
+            format!("{prefix}.{key}")
+        };
+        match known_keys.get(key) {
+            Some(sub) if sub.is_object() => {
+                if let Some(t) = value.as_table() {
+                    check_keys(t, sub, root, &dotted, path, text)?;
+                }
+            }
+            Some(_) => {}
+            None => {
+                let line = text
+                    .lines()
+                    .position(|l| {
+                        let l = l.trim_start().trim_start_matches('[').trim_start();
+                        l.strip_prefix(key.as_str())
+                            .is_some_and(|rest| rest.trim_start().starts_with(['=', ']', '.']))
+                    })
+                    .map(|i| format!(", line {}", i + 1))
+                    .unwrap_or_default();
+                let place = if prefix.is_empty() {
+                    String::new()
+                } else {
+                    format!(" in [{prefix}]")
+                };
+                return Err(LlamaError::Config(format!(
+                    "{}{line}: unknown key `{key}`{place}; {}",
+                    path.display(),
+                    suggestion(key, prefix, known_keys, root)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What to write instead of the unknown `key` of table `prefix`: the same key in the table
+/// it belongs to, else the closest key of this table, else of any table, else the list of
+/// this table's keys.
+fn suggestion(key: &str, prefix: &str, here: &Map<String, Value>, root: &Value) -> String {
+    let mut everywhere = Vec::new();
+    leaf_keys(root, "", &mut everywhere);
+    let qualified = |k: &str| {
+        if prefix.is_empty() {
+            k.to_string()
+        } else {
+            format!("{prefix}.{k}")
+        }
+    };
+    if let Some(moved) = everywhere
+        .iter()
+        .find(|k| k.rsplit('.').next() == Some(key))
+    {
+        return format!("did you mean `{moved}`{}?", table_of(moved));
+    }
+    if let Some(close) = closest(key, here.keys().map(String::as_str)) {
+        return format!("did you mean `{}`?", qualified(close));
+    }
+    let leaf = |k: &String| k.rsplit('.').next().unwrap_or(k).to_string();
+    let leaves: Vec<String> = everywhere.iter().map(leaf).collect();
+    if let Some(close) = closest(key, leaves.iter().map(String::as_str))
+        && let Some(k) = everywhere.iter().find(|k| leaf(k) == close)
+    {
+        return format!("did you mean `{k}`{}?", table_of(k));
+    }
+    let mut valid: Vec<&str> = here.keys().map(String::as_str).collect();
+    valid.sort_unstable();
+    format!("valid keys here: {}", valid.join(", "))
+}
+
+/// " (in the [parallel] table)" for a key of a table, nothing for a top-level key.
+fn table_of(dotted: &str) -> String {
+    match dotted.rsplit_once('.') {
+        Some((table, _)) => format!(" (in the [{table}] table)"),
+        None => " (a top-level key, before any [table])".to_string(),
+    }
+}
+
+/// The candidate nearest `key` by [`edit_distance`], if near enough to be a misspelling of it
+/// (a third of its length, at least one edit), or one that holds the other (`warmup`,
+/// `warmup_steps`).
+fn closest<'a>(key: &str, candidates: impl Iterator<Item = &'a str> + Clone) -> Option<&'a str> {
+    let limit = (key.chars().count() / 3).max(1);
+    candidates
+        .clone()
+        .map(|c| (edit_distance(key, c), c))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+        .or_else(|| {
+            candidates
+                .filter(|c| key.len() >= 4 && (c.contains(key) || key.contains(c)))
+                .min_by_key(|c| c.len().abs_diff(key.len()))
+        })
+}
+
+/// Edit distance between `a` and `b`: the fewest insertions, deletions, substitutions and
+/// swaps of two neighbouring characters that turn one into the other (the optimal string
+/// alignment distance).
+pub fn edit_distance(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().collect();
+    let b: Vec<char> = b.chars().collect();
+    // d[i][j]: distance between the first i characters of a and the first j of b.
+    let mut d: Vec<Vec<usize>> = (0..=a.len())
+        .map(|i| {
+            (0..=b.len())
+                .map(|j| {
+                    if i == 0 {
+                        j
+                    } else if j == 0 {
+                        i
+                    } else {
+                        0
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let substitute = d[i - 1][j - 1] + usize::from(a[i - 1] != b[j - 1]);
+            let mut best = substitute.min(d[i - 1][j] + 1).min(d[i][j - 1] + 1);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                best = best.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = best;
+        }
+    }
+    d[a.len()][b.len()]
+}
+
+/// The configuration of `defaults` with the file's and the flags' layers over it, and the
+/// settings they imply; the file (its path and its keys) is named in every error it causes.
+fn resolve(defaults: Value, file: Option<(&Path, Value)>, flags: Value) -> Result<ResolvedConfig> {
+    let mut merged = defaults;
+    let mut sources = BTreeMap::new();
+    let mut layers = Vec::new();
+    if let Some((_, layer)) = &file {
+        layers.push((layer, Source::File));
+    }
+    layers.push((&flags, Source::Flag));
+    for (layer, source) in layers {
+        merge(&mut merged, layer);
+        let mut keys = Vec::new();
+        leaf_keys(layer, "", &mut keys);
+        sources.extend(keys.into_iter().map(|k| (k, source)));
+    }
+    let file_path = file.as_ref().map(|(p, _)| *p);
+    let mut config: TrainConfig = serde_json::from_value(merged).map_err(|e| {
+        // Flags are checked by clap, so the file holds the wrong value; its own parse says
+        // where (a table left partial, `[adamw]`, is no error of the merged form).
+        let place = file_path.map_or(String::new(), |p| format!("{}: ", p.display()));
+        let spanned = file_path
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .and_then(|text| toml::from_str::<TrainConfig>(&text).err())
+            .filter(|e| !e.message().contains("missing field"));
+        match spanned {
+            Some(s) => LlamaError::Config(format!("{place}{s}")),
+            None => LlamaError::Config(format!("{place}{e}")),
+        }
+    })?;
+    settle(&mut config, &sources, file_path)?;
+    Ok(ResolvedConfig {
+        config,
+        sources,
+        config_file: file_path.map(Path::to_path_buf),
+        write_config: None,
+    })
+}
+
+/// Applies what settings imply for others and refuses contradictions, each by the layer that
+/// set it: a flag overrides what a file implies, and two settings of one layer that contradict
+/// each other are an error naming both.
+fn settle(
+    c: &mut TrainConfig,
+    sources: &BTreeMap<String, Source>,
+    file: Option<&Path>,
+) -> Result<()> {
+    let source = |key: &str| sources.get(key).copied().unwrap_or(Source::Default);
+    // How the user wrote `key = value`: as a flag, or as a key of the file.
+    let said = |key: &str, value: &dyn std::fmt::Display| match source(key) {
+        Source::Flag => {
+            let flag = key.rsplit('.').next().unwrap_or(key).replace('_', "-");
+            match value.to_string().as_str() {
+                // A switch (`--resume`) takes no value.
+                "true" => format!("--{flag}"),
+                v => format!("--{flag} {v}"),
+            }
+        }
+        _ => format!(
+            "{key} = {value}{}",
+            file.map(|f| format!(" in {}", f.display()))
+                .unwrap_or_default()
+        ),
+    };
+    let conflict = |a: String, b: String, why: &str| {
+        Err(LlamaError::Config(format!(
+            "{a} {why}, {b} turns recomputation off: give one of them"
+        )))
+    };
+    if !matches!(c.device.as_str(), "cpu" | "cuda") {
+        return Err(LlamaError::Config(format!(
+            "{}: use cpu or cuda",
+            said("device", &format!("'{}'", c.device))
+        )));
+    }
+    let ac = "parallel.activation_checkpointing";
+    for (key, asks, why) in [
+        (
+            "parallel.checkpointed_layers",
+            c.parallel.checkpointed_layers.is_some(),
+            "asks for recomputation",
+        ),
+        (
+            "parallel.activation_offloading",
+            c.parallel.activation_offloading,
+            "moves the inputs that recomputed layers keep",
+        ),
+    ] {
+        if !asks || source(key) == Source::Default {
+            continue;
+        }
+        if source(ac) == source(key) && !c.parallel.activation_checkpointing {
+            let value: &dyn std::fmt::Display = match c.parallel.checkpointed_layers {
+                Some(ref n) if key.ends_with("layers") => n,
+                _ => &true,
+            };
+            return conflict(said(key, value), said(ac, &false), why);
+        }
+        // A higher layer's `false` stands: checkpointing is then off (and offloading refused
+        // by the layout check, which says why).
+        if source(ac) < source(key) {
+            c.parallel.activation_checkpointing = true;
+        }
+    }
+    // A typed horizon without offloading does nothing, which the user should hear; a file
+    // (one written by --write-config lists every key) may hold it for a later run.
+    let horizon = "parallel.activation_loading_horizon";
+    if source(horizon) == Source::Flag && !c.parallel.activation_offloading {
+        return Err(LlamaError::Config(format!(
+            "{} needs activation offloading (--activation-offloading, or activation_offloading \
+             = true in [parallel])",
+            said(horizon, &c.parallel.activation_loading_horizon)
+        )));
+    }
+    if c.resume && c.overwrite {
+        return Err(LlamaError::Config(format!(
+            "{} and {}: continue the run in {} or replace it, not both",
+            said("resume", &true),
+            said("overwrite", &true),
+            c.out_dir.display()
+        )));
+    }
+    if let Some(t) = c.peak_tflops
+        && !(t.is_finite() && t > 0.0)
+    {
+        return Err(LlamaError::Config(format!(
+            "{}: a peak of positive TFLOP/s",
+            said("peak_tflops", &t)
+        )));
+    }
+    if source("export_hf") == Source::Default {
+        c.export_hf = Some(c.out_dir.join("hf"));
+    }
+    if source("parallel.param_dtype") == Source::Default {
+        c.parallel.param_dtype = if c.device == "cuda" {
+            Precision::Bf16
+        } else {
+            Precision::F32
+        };
+    }
+    c.kernels
+        .apply(KernelConfig::default())
+        .map_err(|e| match (e, file) {
+            (LlamaError::Config(m), Some(f))
+                if sources.keys().any(|k| k.starts_with("kernels.")) =>
+            {
+                LlamaError::Config(format!("{}: {m}", f.display()))
+            }
+            (e, _) => e,
+        })?;
+    Ok(())
 }
 
 /// The model shape of a run: from the Hugging Face directory, else the preset with the
@@ -332,7 +1189,7 @@ pub fn train_rank<B: AutodiffBackend>(
     };
     let (mut model, mut start_step, mut position) = match &resume_dir {
         Some(dir) => {
-            let state = TrainerState::read(dir)?;
+            let state = ResumeState::read(dir)?;
             if state.model != prepared.model {
                 return Err(LlamaError::checkpoint(
                     dir,
@@ -473,10 +1330,19 @@ pub fn train_rank<B: AutodiffBackend>(
             && (done == cfg.steps
                 || (cfg.eval_interval > 0 && done.is_multiple_of(cfg.eval_interval)))
     };
+    // `checkpoints = false` wins over an interval: a throughput run that inherits an interval
+    // from a config file must not spend minutes writing a large model.
     let saves = |done: u64| {
-        cfg.checkpoints && done == cfg.steps
-            || (cfg.checkpoint_interval > 0 && done.is_multiple_of(cfg.checkpoint_interval))
+        cfg.checkpoints
+            && (done == cfg.steps
+                || (cfg.checkpoint_interval > 0 && done.is_multiple_of(cfg.checkpoint_interval)))
     };
+    if lead && !cfg.checkpoints && cfg.checkpoint_interval > 0 {
+        tracing::warn!(
+            "checkpoint_interval {} is ignored: checkpoints are off (--no-checkpoint)",
+            cfg.checkpoint_interval
+        );
+    }
 
     let mut offload_reported = false;
     while start_step < cfg.steps {
@@ -870,7 +1736,17 @@ pub struct TrainerState {
     pub train: TrainConfig,
 }
 
-impl TrainerState {
+/// The part of a [`TrainerState`] a resumed run reads back. The configuration that wrote the
+/// checkpoint is left unread: keys renamed or removed since must not make a checkpoint
+/// unresumable, and the resumed run's configuration is its own.
+#[derive(Deserialize)]
+struct ResumeState {
+    step: u64,
+    data_position: DataPosition,
+    model: LlamaConfig,
+}
+
+impl ResumeState {
     fn read(dir: &Path) -> Result<Self> {
         let path = dir.join("trainer_state.json");
         let text = std::fs::read_to_string(&path).map_err(|e| LlamaError::io(&path, e))?;
@@ -1028,4 +1904,364 @@ pub fn save_checkpoint<B: AutodiffBackend>(
     std::fs::rename(&latest_tmp, root.join("latest"))
         .map_err(|e| LlamaError::io(root.join("latest"), e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A config file in a temporary directory (kept alive with it).
+    struct File {
+        _dir: tempfile::TempDir,
+        path: PathBuf,
+    }
+
+    fn file(text: &str) -> File {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, text).expect("write the config file");
+        File { _dir: dir, path }
+    }
+
+    fn args(extra: &[&str]) -> Result<ResolvedConfig> {
+        TrainConfig::from_args(std::iter::once("llama2_train").chain(extra.iter().copied()))
+    }
+
+    fn with_file(f: &File, extra: &[&str]) -> Result<ResolvedConfig> {
+        let path = f.path.to_str().expect("a UTF-8 path");
+        args(&[&["--config", path], extra].concat())
+    }
+
+    fn config_error(r: Result<ResolvedConfig>) -> String {
+        match r {
+            Ok(r) => panic!("expected an error, got {:?}", r.config),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn no_flags_give_the_defaults() {
+        let r = args(&[]).unwrap();
+        assert_eq!(r.config, TrainConfig::default());
+        assert!(r.sources.is_empty(), "{:?}", r.sources);
+        let d = TrainConfig::default();
+        assert_eq!((d.model.as_str(), d.seq_len, d.steps), ("small", 128, 400));
+        assert_eq!(d.export_hf, Some(PathBuf::from("runs/llama2/hf")));
+        assert!(d.checkpoints && d.progress && !d.parallel.activation_checkpointing);
+        assert_eq!(d.parallel.param_dtype, Precision::F32);
+        assert_eq!(d.parallel.prefetch_depth, 1);
+        assert_eq!(d.kernels, KernelSection::default());
+    }
+
+    /// An unknown key is refused with the file, the line, the key and the closest valid key,
+    /// also inside a section and for a key written in the wrong table.
+    #[test]
+    fn unknown_keys_are_named_with_the_closest_key() {
+        let f = file("model = \"tiny\"\nstesp = 4\n");
+        let e = config_error(with_file(&f, &[]));
+        assert!(
+            e.contains(&f.path.display().to_string())
+                && e.contains("line 2")
+                && e.contains("`stesp`")
+                && e.contains("did you mean `steps`"),
+            "{e}"
+        );
+        let f = file("[parallel]\ntensor_paralel_degree = 2\n");
+        let e = config_error(with_file(&f, &[]));
+        assert!(
+            e.contains("`tensor_paralel_degree` in [parallel]")
+                && e.contains("`parallel.tensor_parallel_degree`"),
+            "{e}"
+        );
+        let f = file("tensor_parallel_degree = 2\n");
+        let e = config_error(with_file(&f, &[]));
+        assert!(
+            e.contains("`parallel.tensor_parallel_degree` (in the [parallel] table)"),
+            "{e}"
+        );
+        let f = file("[paralel]\nprefetch_depth = 0\n");
+        let e = config_error(with_file(&f, &[]));
+        assert!(e.contains("`paralel`") && e.contains("`parallel`"), "{e}");
+        let f = file("[kernels]\ndeterminstic = true\n");
+        let e = config_error(with_file(&f, &[]));
+        assert!(e.contains("`kernels.deterministic`"), "{e}");
+        let f = file("xyzzy = 1\n");
+        let e = config_error(with_file(&f, &[]));
+        assert!(
+            e.contains("`xyzzy`") && e.contains("valid keys here:"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn wrong_types_name_the_file() {
+        let f = file("seq_len = \"long\"\n");
+        let e = config_error(with_file(&f, &[]));
+        assert!(
+            e.contains(&f.path.display().to_string()) && e.contains("seq_len"),
+            "{e}"
+        );
+        let f = file("[kernels]\nflash_forward = \"8x2\"\n");
+        let e = config_error(with_file(&f, &[]));
+        assert!(e.contains("8x2") && e.contains("mma-8x2"), "{e}");
+    }
+
+    /// Default < file < flag, key by key; a section sets the keys it names and no other.
+    #[test]
+    fn flags_override_the_file_which_overrides_the_defaults() {
+        let f = file(
+            "steps = 7\nseq_len = 64\ncheckpoint_interval = 5\n\n[parallel]\n\
+             tensor_parallel_degree = 2\n\n[kernels]\ndeterministic = true\n\n[adamw]\n\
+             eps = 1e-3\n",
+        );
+        let r = with_file(&f, &["--steps", "9", "--prefetch-depth", "0"]).unwrap();
+        let c = &r.config;
+        let d = TrainConfig::default();
+        assert_eq!(c.steps, 9, "the flag wins");
+        assert_eq!(c.seq_len, 64, "the file wins over the default");
+        assert_eq!(c.checkpoint_interval, 5);
+        assert_eq!(c.parallel.tensor_parallel_degree, 2);
+        assert_eq!(c.parallel.prefetch_depth, 0);
+        assert_eq!(c.kernels.deterministic, Some(true));
+        assert_eq!(c.adamw.eps, 1e-3);
+        // Nothing else moved: not the other keys of the sections, not the top-level ones.
+        assert_eq!(
+            TrainConfig {
+                steps: d.steps,
+                seq_len: d.seq_len,
+                checkpoint_interval: d.checkpoint_interval,
+                adamw: d.adamw,
+                kernels: d.kernels.clone(),
+                parallel: ParallelSection(ParallelConfig {
+                    tensor_parallel_degree: 1,
+                    prefetch_depth: 1,
+                    ..c.parallel.0.clone()
+                }),
+                ..c.clone()
+            },
+            d
+        );
+        assert_eq!(r.source("steps"), Source::Flag);
+        assert_eq!(r.source("seq_len"), Source::File);
+        assert_eq!(r.source("parallel.prefetch_depth"), Source::Flag);
+        assert_eq!(r.source("adamw.eps"), Source::File);
+        assert_eq!(r.source("lr"), Source::Default);
+        // A flag left at its default does not reset the file's value.
+        let r = with_file(&f, &["--seq-len", "128"]).unwrap();
+        assert_eq!((r.config.seq_len, r.config.steps), (128, 7));
+    }
+
+    #[test]
+    fn negative_flags_and_none_values() {
+        let f = file("checkpoint_interval = 10\nprogress = true\nexport_hf = \"none\"\n");
+        let r = with_file(
+            &f,
+            &["--no-checkpoint", "--no-progress", "--sample", "none"],
+        )
+        .unwrap();
+        assert!(!r.config.checkpoints && !r.config.progress);
+        assert_eq!(r.config.checkpoint_interval, 10);
+        assert_eq!(
+            (r.config.export_hf.as_ref(), r.config.sample.as_ref()),
+            (None, None)
+        );
+        // A file's `out_dir` moves the default export with it; `--export-hf DIR` sets it.
+        let f = file("out_dir = \"/tmp/elsewhere\"\n");
+        let r = with_file(&f, &[]).unwrap();
+        assert_eq!(r.config.export_hf, Some(PathBuf::from("/tmp/elsewhere/hf")));
+        let r = with_file(&f, &["--export-hf", "/tmp/x"]).unwrap();
+        assert_eq!(r.config.export_hf, Some(PathBuf::from("/tmp/x")));
+        let r = args(&["--deterministic"]).unwrap();
+        assert_eq!(r.config.kernels.deterministic, Some(true));
+        let r = args(&["--deterministic", "false", "--steps", "3"]).unwrap();
+        assert_eq!(r.config.kernels.deterministic, Some(false));
+    }
+
+    /// The memory planner's choices (`activation_checkpointing`, `checkpointed_layers`) count
+    /// as the user's only where the user set them, in a file as with flags; what they imply
+    /// follows, by layer.
+    #[test]
+    fn recomputation_settings_and_what_they_imply() {
+        let f = file("steps = 3\n[parallel]\nprefetch_depth = 0\n");
+        let r = with_file(&f, &[]).unwrap();
+        assert!(!r.is_explicit("parallel.activation_checkpointing"));
+        assert!(!r.is_explicit("parallel.checkpointed_layers"));
+        for r in [
+            args(&["--checkpointed-layers", "3"]).unwrap(),
+            with_file(&file("[parallel]\ncheckpointed_layers = 3\n"), &[]).unwrap(),
+        ] {
+            assert!(r.is_explicit("parallel.checkpointed_layers"));
+            assert!(r.config.parallel.activation_checkpointing);
+            assert_eq!(r.config.parallel.checkpointed_layers, Some(3));
+        }
+        // Offloading implies recomputation without fixing it: the planner still chooses.
+        let r = args(&["--activation-offloading"]).unwrap();
+        assert!(r.config.parallel.activation_checkpointing);
+        assert!(!r.is_explicit("parallel.activation_checkpointing"));
+        // Two settings of one layer that contradict each other are refused, naming both.
+        let e = config_error(args(&[
+            "--checkpointed-layers",
+            "3",
+            "--activation-checkpointing",
+            "false",
+        ]));
+        assert!(
+            e.contains("--checkpointed-layers 3") && e.contains("--activation-checkpointing false"),
+            "{e}"
+        );
+        let f = file("[parallel]\ncheckpointed_layers = 3\nactivation_checkpointing = false\n");
+        let e = config_error(with_file(&f, &[]));
+        assert!(
+            e.contains("parallel.checkpointed_layers = 3 in")
+                && e.contains(&f.path.display().to_string()),
+            "{e}"
+        );
+        // A flag overrides what the file implies, either way.
+        let r = with_file(&f, &["--activation-checkpointing", "true"]).unwrap();
+        assert!(r.config.parallel.activation_checkpointing);
+        let f = file("[parallel]\nactivation_checkpointing = false\n");
+        let r = with_file(&f, &["--checkpointed-layers", "2"]).unwrap();
+        assert!(r.config.parallel.activation_checkpointing);
+        let e = config_error(args(&["--activation-loading-horizon", "3"]));
+        assert!(e.contains("--activation-loading-horizon 3"), "{e}");
+        let e = config_error(with_file(&file("resume = true\n"), &["--overwrite"]));
+        assert!(
+            e.contains("--overwrite") && e.contains("resume = true"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn compute_dtype_follows_the_device_unless_set() {
+        let dtype = |a: &[&str]| args(a).unwrap().config.parallel.param_dtype;
+        assert_eq!(dtype(&[]), Precision::F32);
+        assert_eq!(dtype(&["--device", "cuda"]), Precision::Bf16);
+        assert_eq!(
+            dtype(&["--device", "cuda", "--param-dtype", "f32"]),
+            Precision::F32
+        );
+        let f = file("device = \"cuda\"\n[parallel]\nparam_dtype = \"f32\"\n");
+        assert_eq!(
+            with_file(&f, &[]).unwrap().config.parallel.param_dtype,
+            Precision::F32
+        );
+        let e = config_error(with_file(&file("device = \"tpu\"\n"), &[]));
+        assert!(e.contains("'tpu'") && e.contains("cpu or cuda"), "{e}");
+        assert!(matches!(
+            args(&["--param-dtype", "f16"]),
+            Err(LlamaError::Usage(_))
+        ));
+    }
+
+    /// A written configuration reads back to the same run, the derived keys left to derive.
+    #[test]
+    fn written_config_reads_back() {
+        let r = args(&["--device", "cuda", "--steps", "11", "--peak-tflops", "500"]).unwrap();
+        let text = r.to_toml();
+        let has_key = |k: &str| text.lines().any(|l| l.starts_with(k));
+        assert!(!has_key("param_dtype") && !has_key("export_hf"), "{text}");
+        assert!(
+            text.contains("steps = 11") && text.contains("[parallel]"),
+            "{text}"
+        );
+        let back = with_file(&file(&text), &[]).unwrap();
+        assert_eq!(back.config, r.config);
+        assert!(!back.is_explicit("parallel.activation_checkpointing"));
+        let full = TrainConfig::from_toml_file(&file(&r.config.to_toml()).path).unwrap();
+        assert_eq!(full, r.config);
+        // A prompt over several lines, one of them looking like a derived key, stays whole.
+        let prompt = "KING:\nexport_hf = \"x\"\n[parallel]\nparam_dtype = \"f32\"";
+        let r = args(&["--sample", prompt, "--device", "cuda"]).unwrap();
+        let back = with_file(&file(&r.to_toml()), &[]).unwrap();
+        assert_eq!(back.config.sample.as_deref(), Some(prompt));
+        assert_eq!(back.config, r.config);
+    }
+
+    /// Every flag is a key of the file, one key per flag, and no two flags share a name.
+    #[test]
+    fn every_flag_is_one_config_key() {
+        let defaults = to_json(&TrainConfig::default()).unwrap();
+        let command = TrainArgs::command();
+        let mut longs = std::collections::HashSet::new();
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            if let Some(long) = arg.get_long() {
+                assert!(longs.insert(long.to_string()), "--{long} twice");
+            }
+            if matches!(id, "config" | "write_config" | "help") {
+                continue;
+            }
+            let key = flag_key(&defaults, id).unwrap_or_else(|| panic!("flag {id}: no key"));
+            let mut leaves = Vec::new();
+            leaf_keys(&defaults, "", &mut leaves);
+            let same = leaves
+                .iter()
+                .filter(|k| k.rsplit('.').next() == Some(id))
+                .count();
+            assert_eq!(same, 1, "{id} names {same} keys ({key:?})");
+        }
+    }
+
+    #[test]
+    fn kernel_section_applies_over_the_environment() {
+        let env = KernelConfig::parse("flash_backward=atomic,cache_dir=/tmp/k").unwrap();
+        let section = KernelSection {
+            fast: Some("gemm+attention".into()),
+            ..Default::default()
+        };
+        let c = section.apply(env.clone()).unwrap();
+        assert_eq!(
+            c.flash_backward, env.flash_backward,
+            "kept from the environment"
+        );
+        assert_eq!(c.cache_dir, env.cache_dir);
+        assert!(c.fast_paths.gemm && c.fast_paths.attention && !c.fast_paths.norm);
+        // Deterministic kernels over an environment that asked for a non-deterministic backward
+        // contradict each other, and the message says so.
+        let det = KernelSection {
+            deterministic: Some(true),
+            ..Default::default()
+        };
+        let e = det.apply(env).unwrap_err().to_string();
+        assert!(e.contains("atomic") && e.contains("split"), "{e}");
+        let bad = KernelSection {
+            flash_backward: Some("grid".into()),
+            ..Default::default()
+        };
+        let e = bad.apply(KernelConfig::default()).unwrap_err().to_string();
+        assert!(e.contains("grid"), "{e}");
+    }
+
+    /// The example of docs/configuration.md is a valid configuration, with the derived
+    /// settings the page says.
+    #[test]
+    fn documented_example_reads() {
+        let page = include_str!("../../../docs/configuration.md");
+        let example = page
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|rest| rest.split("```").next())
+            .expect("a TOML example");
+        let r = with_file(&file(example), &[]).unwrap();
+        assert_eq!(r.config.model, "7b");
+        assert_eq!(r.config.export_hf, Some(PathBuf::from("runs/7b/hf")));
+        assert_eq!(r.config.parallel.param_dtype, Precision::Bf16);
+        assert!(!r.is_explicit("parallel.activation_checkpointing"));
+        assert_eq!(r.config.kernels.deterministic, Some(true));
+    }
+
+    #[test]
+    fn edit_distance_counts_edits() {
+        assert_eq!(edit_distance("steps", "steps"), 0);
+        assert_eq!(edit_distance("stesp", "steps"), 1);
+        assert_eq!(edit_distance("sed", "seed"), 1);
+        assert_eq!(edit_distance("lr", "min_lr"), 4);
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(
+            closest("warmup", ["warmup_steps", "lr"].into_iter()),
+            Some("warmup_steps")
+        );
+        assert_eq!(closest("zzz", ["steps", "seed"].into_iter()), None);
+    }
 }
