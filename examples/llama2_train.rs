@@ -394,7 +394,11 @@ fn print_summary(s: &Summary, prepared: &Prepared) {
         c.out_dir.join("metrics.jsonl").display(),
         c.out_dir.join("loss.svg").display()
     );
-    println!("checkpoint: {}", c.out_dir.join("checkpoints").display());
+    if c.checkpoints {
+        println!("checkpoint: {}", c.out_dir.join("checkpoints").display());
+    } else {
+        println!("checkpoint: none (--no-checkpoint)");
+    }
     if let Some(dir) = &c.export_hf {
         println!(
             "Hugging Face export: {} (LlamaForCausalLM.from_pretrained)",
