@@ -67,7 +67,8 @@ fn seeded<I: Backend, const D: usize>(
 /// Runs the backward of the graph that produced `output` as if the loss's gradient with respect
 /// to `output` were `grad` (same shape), and returns the gradients of its leaves.
 ///
-/// Seeds the graph directly on the backends this crate can name (CUDA's [`CudaCube`] and
+/// Seeds the graph directly on the backends this crate can name (CUDA's
+/// [`CudaCube`](crate::cuda::CudaCube) and
 /// `NdArray<f32>`, each under `Autodiff`); elsewhere it falls back to
 /// `(output * grad).sum().backward()`, which gives the same gradients at the cost of a
 /// product and a reduction.

@@ -134,7 +134,7 @@ pub struct FastPaths {
     /// Gradients that meet at one tensor (an input shared by q/k/v or by gate/up, the residual
     /// stream at each norm) are summed by the op whose backward runs second, in its own output
     /// pass (cuBLAS `beta = 1`, the RMSNorm backward kernel) instead of a separate add of Burn's
-    /// autodiff ([`crate::cuda::accumulate`]).
+    /// autodiff (`cuda::accumulate`).
     pub accumulate: bool,
 }
 

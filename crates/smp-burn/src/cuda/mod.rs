@@ -11,7 +11,7 @@
 //! - the kernels: [`gemm`] (cuBLAS on Burn's stream), [`flash`] and its autodiff op
 //!   [`attention`], [`fused`] (RMSNorm, RoPE, SwiGLU), [`xent`] and [`embedding`] (the LM-head
 //!   loss and the embedding gradient), [`flat`] and [`adamw`] (FSDP's flat gradients and the
-//!   optimizer step on shards), and [`accumulate`] (gradients summed in place).
+//!   optimizer step on shards), and `accumulate` (gradients summed in place).
 //!
 //! Nothing here touches CUDA until a caller asks for it: [`cuda_device_count`] returns 0 on a
 //! machine without libcuda, and the rest is only reached with CUDA tensors in hand. Which

@@ -15,7 +15,7 @@
 //! - [`CudaTensorComm`]: [`TensorComm`] for Burn CUDA tensors; NCCL reads and writes Burn's
 //!   own buffers.
 //!
-//! Nothing here touches CUDA until a caller asks for it: [`cuda_device_count`] returns 0 on a
+//! Nothing here touches CUDA until a caller asks for it: [`cuda_device_count`](super::cuda_device_count) returns 0 on a
 //! machine without libcuda, and the rest is only reached with CUDA tensors in hand.
 
 use std::any::Any;

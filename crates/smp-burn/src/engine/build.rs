@@ -55,7 +55,7 @@ impl std::fmt::Debug for Init<'_> {
 }
 
 impl<'a> Init<'a> {
-    /// [`Init::Seeded`] with [`default_rule`].
+    /// [`Init::Seeded`] with the default rule (`default_rule`).
     pub fn seeded(seed: u64) -> Self {
         Init::Seeded {
             seed,

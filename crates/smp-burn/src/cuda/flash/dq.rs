@@ -419,7 +419,7 @@ fn dq_chunk_pos(
 }
 
 /// Whether this build can issue Hopper's bulk asynchronous reduction
-/// ([`bulk_reduce_add_f32`]): with the workspace's `vendor/cubecl-ir` and `vendor/cubecl-cpp`,
+/// (`bulk_reduce_add_f32`): with the workspace's `vendor/cubecl-ir` and `vendor/cubecl-cpp`,
 /// which add the operation (`build.rs` detects them); not with upstream CubeCL 0.10.
 pub const BULK_REDUCE_BUILT: bool = cfg!(cubecl_bulk_reduce);
 
