@@ -574,3 +574,68 @@ fn llama2_train_config_file_and_flags() {
     assert_eq!(effective.parallel.prefetch_depth, 0);
     assert_eq!(effective.micro_batch, TrainConfig::default().micro_batch);
 }
+
+/// An output or export path that cannot be written is refused before any training, naming the
+/// path, rather than at the first checkpoint or at the export.
+#[test]
+fn unwritable_outputs_fail_before_training() {
+    let fx = Fixture::new();
+    // A directory under a regular file cannot be created, even by root.
+    let file = fx.path("a-file");
+    std::fs::write(&file, "not a directory").unwrap();
+    let e = expect_error(
+        try_train(
+            TrainConfig {
+                out_dir: file.join("out"),
+                ..config(&fx, "unwritable-out")
+            },
+            1,
+        ),
+        "out_dir under a file",
+    );
+    assert!(e.contains("--out-dir") && e.contains("a-file"), "{e}");
+    let out = fx.path("writable-out");
+    let e = expect_error(
+        try_train(
+            TrainConfig {
+                out_dir: out.clone(),
+                export_hf: Some(file.join("sub").join("hf")),
+                ..config(&fx, "unwritable-export")
+            },
+            1,
+        ),
+        "export_hf under a file",
+    );
+    assert!(e.contains("--export-hf") && e.contains("a-file"), "{e}");
+    assert!(!out.join("metrics.jsonl").exists(), "no step may run");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a directory");
+}
+
+/// A Hugging Face model whose vocabulary is smaller than the tokenizer's is refused naming both
+/// sizes and the directory (a token id past the embedding's rows panicked at the first lookup).
+#[test]
+fn an_hf_model_smaller_than_the_tokenizer_is_refused() {
+    let fx = Fixture::new();
+    let dir = fx.path("hf-small-vocab");
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = LlamaConfig {
+        vocab_size: 256,
+        ..LlamaConfig::preset("tiny").unwrap()
+    };
+    let json = hf::hf_config_json(&model, hf::SaveDType::BF16).to_string();
+    std::fs::write(dir.join("config.json"), json).unwrap();
+    let e = expect_error(
+        try_train(
+            TrainConfig {
+                init_from_hf: Some(dir.clone()),
+                ..config(&fx, "hf-vocab")
+            },
+            1,
+        ),
+        "a tokenizer larger than the model's vocabulary",
+    );
+    assert!(
+        e.contains("300") && e.contains("256") && e.contains("hf-small-vocab"),
+        "{e}"
+    );
+}

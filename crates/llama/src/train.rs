@@ -1022,7 +1022,17 @@ fn settle(
 /// tokenizer's vocabulary for the small shapes.
 pub fn model_config(cfg: &TrainConfig, tokenizer_vocab: usize) -> Result<LlamaConfig> {
     if let Some(dir) = &cfg.init_from_hf {
-        return hf::read_hf_config(dir);
+        let model = hf::read_hf_config(dir)?;
+        // A token id past the embedding's rows would panic at the first lookup.
+        if tokenizer_vocab > model.vocab_size {
+            return Err(LlamaError::Config(format!(
+                "the tokenizer has {tokenizer_vocab} tokens but the model in {} has vocab_size \
+                 {}: use the tokenizer that came with that model (its tokenizer.json)",
+                dir.display(),
+                model.vocab_size
+            )));
+        }
+        return Ok(model);
     }
     let mut model = LlamaConfig::preset(&cfg.model)?;
     if matches!(cfg.model.as_str(), "tiny" | "small") {
@@ -1061,6 +1071,7 @@ pub struct Prepared {
 /// the data. On resume the checkpoint's own tokenizer is used, so token ids stay the same.
 pub fn prepare(config: TrainConfig) -> Result<Prepared> {
     check_output_is_free(&config)?;
+    check_outputs_writable(&config)?;
     let texts = crate::data::load_texts(
         &crate::data::DataSource::from_arg(&config.data),
         &config.text_field,
@@ -1794,6 +1805,34 @@ fn check_output_is_free(config: &TrainConfig) -> Result<()> {
         out.display(),
         found.join(", ")
     )))
+}
+
+/// Creates the output directory and writes (then removes) a probe file in it and beside the
+/// export directory, so that a path that cannot be written fails now, not at the first
+/// checkpoint or at the export after the training time is spent.
+fn check_outputs_writable(config: &TrainConfig) -> Result<()> {
+    let probe = |dir: &Path, flag: &str| -> Result<()> {
+        let fail = |e: std::io::Error| {
+            LlamaError::Config(format!(
+                "{flag} {}: cannot write there ({e}); choose a writable directory",
+                dir.display()
+            ))
+        };
+        std::fs::create_dir_all(dir).map_err(fail)?;
+        // Unique per call: ranks that are threads of one process may probe at once.
+        static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let file = dir.join(format!(".smp-write-probe-{}-{n}", std::process::id()));
+        std::fs::write(&file, b"").map_err(fail)?;
+        std::fs::remove_file(&file).map_err(fail)
+    };
+    probe(&config.out_dir, "--out-dir")?;
+    if let Some(export) = &config.export_hf {
+        // The export is written beside its final place and renamed into it.
+        let parent = export.parent().filter(|p| !p.as_os_str().is_empty());
+        probe(parent.unwrap_or(Path::new(".")), "--export-hf (its parent)")?;
+    }
+    Ok(())
 }
 
 /// Removes what a previous run left in the output directory before an overwriting run starts,
