@@ -639,3 +639,39 @@ fn an_hf_model_smaller_than_the_tokenizer_is_refused() {
         "{e}"
     );
 }
+
+/// Zero sizes and impossible rates are refused before any work, each named with its value.
+#[test]
+fn zero_sizes_and_bad_rates_are_named() {
+    let fx = Fixture::new();
+    let e = expect_error(
+        try_train(
+            TrainConfig {
+                steps: 0,
+                micro_batch: 0,
+                lr: f64::NAN,
+                ..config(&fx, "zeros")
+            },
+            1,
+        ),
+        "zero sizes",
+    );
+    for part in ["steps = 0", "micro_batch = 0", "lr = NaN"] {
+        assert!(e.contains(part), "{part} missing from: {e}");
+    }
+    let e = expect_error(
+        try_train(
+            TrainConfig {
+                seq_len: 0,
+                ..config(&fx, "seq0")
+            },
+            1,
+        ),
+        "seq_len 0",
+    );
+    assert!(e.contains("seq_len = 0"), "{e}");
+    assert!(
+        !fx.path("zeros").exists() && !fx.path("seq0").exists(),
+        "nothing written"
+    );
+}

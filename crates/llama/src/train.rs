@@ -1070,6 +1070,7 @@ pub struct Prepared {
 /// Loads the corpus and the tokenizer (training a byte-level BPE when none is given) and packs
 /// the data. On resume the checkpoint's own tokenizer is used, so token ids stay the same.
 pub fn prepare(config: TrainConfig) -> Result<Prepared> {
+    check_values(&config)?;
     check_output_is_free(&config)?;
     check_outputs_writable(&config)?;
     let texts = crate::data::load_texts(
@@ -1805,6 +1806,47 @@ fn check_output_is_free(config: &TrainConfig) -> Result<()> {
         out.display(),
         found.join(", ")
     )))
+}
+
+/// Sizes and rates that no run can use, refused by name before any work: zero sizes divide by
+/// zero deep inside the data pipeline, and a NaN or negative rate trains nonsense silently.
+fn check_values(c: &TrainConfig) -> Result<()> {
+    let mut bad = Vec::new();
+    for (name, value) in [
+        ("steps", c.steps as usize),
+        ("seq_len", c.seq_len),
+        ("micro_batch", c.micro_batch),
+    ] {
+        if value == 0 {
+            bad.push(format!("{name} = 0 (must be at least 1)"));
+        }
+    }
+    if c.eval_interval > 0 && c.eval_batches == 0 {
+        bad.push("eval_batches = 0 with evaluation on (eval_interval > 0)".into());
+    }
+    for (name, value) in [
+        ("lr", c.lr),
+        ("min_lr", c.min_lr),
+        ("grad_clip", c.grad_clip),
+    ] {
+        if !value.is_finite() || value < 0.0 {
+            bad.push(format!("{name} = {value} (must be a finite number >= 0)"));
+        }
+    }
+    if c.min_lr > c.lr {
+        bad.push(format!("min_lr = {} is above lr = {}", c.min_lr, c.lr));
+    }
+    if !(0.0..1.0).contains(&c.val_fraction) {
+        bad.push(format!(
+            "val_fraction = {} (must be in [0, 1))",
+            c.val_fraction
+        ));
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(LlamaError::Config(bad.join("; ")))
+    }
 }
 
 /// Creates the output directory and writes (then removes) a probe file in it and beside the
