@@ -675,3 +675,34 @@ fn zero_sizes_and_bad_rates_are_named() {
         "nothing written"
     );
 }
+
+/// Resuming with other data settings (here the sequence length) is refused with both values,
+/// and goes ahead only with `resume_with_changes`.
+#[test]
+fn resuming_with_other_data_settings_needs_a_flag() {
+    let fx = Fixture::new();
+    let first = TrainConfig {
+        steps: 2,
+        ..config(&fx, "changed")
+    };
+    train(first.clone(), 1);
+    let shorter = TrainConfig {
+        steps: 3,
+        seq_len: 16,
+        resume: true,
+        ..first
+    };
+    let e = expect_error(try_train(shorter.clone(), 1), "another seq_len");
+    assert!(
+        e.contains("seq_len: 32 -> 16") && e.contains("--resume-with-changes"),
+        "{e}"
+    );
+    let s = train(
+        TrainConfig {
+            resume_with_changes: true,
+            ..shorter
+        },
+        1,
+    );
+    assert_eq!(s.steps, 3);
+}

@@ -127,6 +127,12 @@ pub struct TrainConfig {
     /// error, so that no run destroys another's data.
     #[arg(long, conflicts_with = "resume")]
     pub overwrite: bool,
+    /// Resume although the data settings differ from the checkpoint's (sequence length, data,
+    /// text field, validation split, global batch, seed); without it a resumed run with other
+    /// data settings is refused with both values, as its data position would mean something
+    /// else.
+    #[arg(long)]
+    pub resume_with_changes: bool,
     /// Start from a Hugging Face Llama directory's weights (and its config.json).
     #[arg(long)]
     pub init_from_hf: Option<PathBuf>,
@@ -1202,6 +1208,21 @@ pub fn train_rank<B: AutodiffBackend>(
     let (mut model, mut start_step, mut position) = match &resume_dir {
         Some(dir) => {
             let state = ResumeState::read(dir)?;
+            let changes = state.data_changes(cfg);
+            if !changes.is_empty() {
+                if !cfg.resume_with_changes {
+                    return Err(LlamaError::checkpoint(
+                        dir,
+                        format!(
+                            "was written by a run with other data settings ({}); its data \
+                             position would mean something else here. Pass \
+                             --resume-with-changes to continue anyway, or start afresh",
+                            changes.join(", ")
+                        ),
+                    ));
+                }
+                tracing::warn!("resuming with other data settings: {}", changes.join(", "));
+            }
             if state.model != prepared.model {
                 return Err(LlamaError::checkpoint(
                     dir,
@@ -1756,9 +1777,32 @@ struct ResumeState {
     step: u64,
     data_position: DataPosition,
     model: LlamaConfig,
+    /// The writing run's configuration, read leniently: only the data settings are compared.
+    #[serde(default)]
+    train: serde_json::Value,
 }
 
 impl ResumeState {
+    /// The data settings that differ between the checkpoint's run and `cfg`, as
+    /// `name: checkpoint's -> this run's`. A checkpoint that does not record one skips it.
+    fn data_changes(&self, cfg: &TrainConfig) -> Vec<String> {
+        let ours = serde_json::to_value(cfg).unwrap_or_default();
+        [
+            "seq_len",
+            "data",
+            "text_field",
+            "val_fraction",
+            "global_batch_tokens",
+            "seed",
+        ]
+        .iter()
+        .filter_map(|key| {
+            let (theirs, ours) = (self.train.get(key)?, ours.get(key)?);
+            (theirs != ours).then(|| format!("{key}: {theirs} -> {ours}"))
+        })
+        .collect()
+    }
+
     fn read(dir: &Path) -> Result<Self> {
         let path = dir.join("trainer_state.json");
         let text = std::fs::read_to_string(&path).map_err(|e| LlamaError::io(&path, e))?;
