@@ -82,7 +82,8 @@ pub struct TrainConfig {
     /// Clip the global gradient norm to this value; 0 = off.
     #[arg(long, default_value_t = 1.0)]
     pub grad_clip: f64,
-    /// Seed of initialization and data order.
+    /// Seed of initialization and data order (the same seed gives the same weights and batches;
+    /// see `deterministic` for the arithmetic).
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
     /// `embedded` (the Shakespeare corpus in the binary) or a path: text, `.gz`, directory,
@@ -396,8 +397,10 @@ pub struct KernelSection {
     #[arg(long = "fast-paths", value_name = "PATHS")]
     pub fast: Option<String>,
     /// Bitwise reproducible CUDA kernels: the attention backward then sums dQ without atomics
-    /// at every head dim (7B steps about 1-4 % slower). `--deterministic` alone means true; CPU
-    /// runs are always deterministic.
+    /// at every head dim (7B steps about 1-4 % slower). `--deterministic` alone means true. On
+    /// CPU it changes nothing: the seed fixes initialization and data order, but losses may
+    /// differ from run to run in their last bits (Burn's CPU kernels split buffers at vector
+    /// alignment, which depends on where memory was allocated).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub deterministic: Option<bool>,
     /// The flash-attention forward kernel: mma-8x2, mma-4x2 or wgmma (default: the fastest for
