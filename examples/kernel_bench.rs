@@ -17,7 +17,7 @@
 //! `kernel_bench gemm`: linear-layer GEMM TFLOP/s at the Llama 1B and 7B shapes, three ways in
 //! one process: our cuBLAS linear on Burn tensors (ordering included), Burn's stock matmul, and
 //! cuBLAS called directly on raw buffers (the goal: ours at least 95 % of direct).
-//! Run `python3 scripts/torch_gemm.py` in the same call for PyTorch's figure at the same shapes.
+//! Run `python3 scripts/torch_gemm.py` beside it for PyTorch's figure at the same shapes.
 //! `kernel_bench gemm-fb`: where the time of `gemm`'s forward + backward column goes, at the 1B
 //! MLP shape: host time to build the forward (and the `sum`), host time inside `backward()`, and
 //! the wait for the device after it, with and without the `sum` (a backward from a tensor seeds
@@ -836,7 +836,7 @@ fn gemm() {
         let xa = Tensor::<Ad, 2>::from_inner(x.clone()).require_grad();
         let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
         // Seeded with ones, not through `sum()`: Burn's full reduction of a bf16 tensor this
-        // size takes ~0.9 ms on an H200 (3 cubes; `gemm-fb`, call DY), four times the GEMMs.
+        // size takes ~0.9 ms on an H200 (3 cubes), four times the GEMMs.
         let ours_fb = time(10, || {
             let y = ops::linear(xa.clone(), wa.clone());
             let _ = y.backward();
