@@ -22,6 +22,8 @@ use std::sync::Arc;
 use burn::backend::{Autodiff, NdArray};
 use collectives::{CommOptions, Communicator, RendezvousConfig, run_on_threads};
 use llama::LlamaError;
+#[cfg(feature = "cuda")]
+use llama::config::StepLayout;
 use llama::train::{self, Prepared, ResolvedConfig, Summary, TrainConfig};
 use smp_burn::mesh::Mesh;
 use smp_burn::{KernelConfig, ParallelDims};
@@ -33,21 +35,44 @@ use smp_burn::{KernelConfig, ParallelDims};
 fn layers_to_recompute(config: &TrainConfig, dims: &ParallelDims) -> Result<usize, DynError> {
     let model = train::model_config(config, 1)?;
     let layers = model.num_hidden_layers;
-    let tokens = config.micro_batch * config.seq_len;
     let Some(have) = smp_burn::cuda::cuda_device_memory(0) else {
         return Ok(layers);
     };
-    let horizon = config.parallel.offloading_horizon();
-    let recomputed = model.layers_to_recompute(tokens, dims.shard, dims.tensor, horizon, have);
-    let need = |n| model.training_memory_estimate(tokens, dims.shard, dims.tensor, n, horizon);
+    let compute = config.parallel.param_dtype;
+    // The flash kernels' own test of shapes and dtype, on the first GPU's architecture.
+    let head_dim = model.head_dim();
+    let shape = |heads| [config.micro_batch, heads, config.seq_len, head_dim];
+    let flash_attention = smp_burn::kernel_config::fast_paths().attention
+        && smp_burn::cuda::attention::supports(
+            &shape(model.num_attention_heads),
+            &shape(model.num_key_value_heads),
+            burn::tensor::DType::from(compute.dtype()),
+        )
+        && smp_burn::cuda::cuda_compute_capability(0).is_some_and(|cc| cc >= (8, 0));
+    let layout = StepLayout {
+        micro_batch: config.micro_batch,
+        seq_len: config.seq_len,
+        shard_degree: dims.shard,
+        tp: dims.tensor,
+        offload_horizon: config.parallel.offloading_horizon(),
+        compute,
+        flash_attention,
+    };
+    let recomputed = model.layers_to_recompute(&layout, have);
+    let need = |n| model.training_memory_estimate(&layout, n);
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
         "activation checkpointing: recomputing {recomputed} of {layers} layers; this run needs \
-         about {:.0} GiB per GPU ({:.0} GiB recomputing none), {:.0} GiB is {} % of the GPU \
+         about {:.0} GiB per GPU ({:.0} GiB recomputing none{}), {:.0} GiB is {} % of the GPU \
          (--activation-checkpointing and --checkpointed-layers, or the config file's keys, \
          override)",
         gib(need(recomputed)),
         gib(need(0)),
+        if flash_attention {
+            ""
+        } else {
+            "; attention without the flash kernels keeps its seq x seq scores"
+        },
         gib(have / 100 * llama::config::MEMORY_BUDGET_PERCENT),
         llama::config::MEMORY_BUDGET_PERCENT
     );

@@ -2,6 +2,7 @@
 //! crate, so one binary instead of eight saves minutes of linking on a cold build. Run one
 //! group with `cargo test --release -p smp-burn-tests --test all <module>::`.
 
+mod checkpoint;
 mod e2e;
 mod fsdp_parity;
 mod fuzz;

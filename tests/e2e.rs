@@ -9,10 +9,11 @@ use std::process::Command;
 
 use llama::LlamaConfig;
 use llama::hf;
+use llama::tokenizer::TextTokenizer;
 use llama::train::{self, Summary, TrainConfig};
 use smp_burn::fsdp::AdamW;
 
-use smp_burn_tests::trainer::{Fixture, train, try_train};
+use smp_burn_tests::trainer::{Fixture, checkpoint_tensors, train, try_train};
 
 /// A short run of the tiny model: 6 steps, 2 of warmup.
 fn config(fx: &Fixture, name: &str) -> TrainConfig {
@@ -199,8 +200,8 @@ fn errors_name_the_values() {
     let ckpt = train::latest_checkpoint(&fx.path("ckpt"))
         .unwrap()
         .expect("a checkpoint");
-    let file = ckpt.join("model").join("model.safetensors");
-    let bytes = std::fs::read(&file).expect("the checkpoint holds model/model.safetensors");
+    let file = ckpt.join("tp000-shard00000.safetensors");
+    let bytes = std::fs::read(&file).expect("the checkpoint holds rank 0's shards");
     std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
     let e = expect_error(
         try_train(
@@ -212,7 +213,10 @@ fn errors_name_the_values() {
         ),
         "truncated checkpoint",
     );
-    assert!(e.contains(&file.display().to_string()), "{e}");
+    assert!(
+        e.contains("tp000-shard00000.safetensors") && e.contains("truncated"),
+        "{e}"
+    );
 
     // A global batch that is not a whole number of micro-batches: 2 ranks x 4 rows x 32 tokens
     // = 256 tokens per micro-batch.
@@ -254,6 +258,25 @@ fn errors_name_the_values() {
     );
 }
 
+/// Every file under `dir` with its bytes, sorted by path: compared before and after a refused
+/// run to show that nothing was written.
+fn snapshot(dir: &std::path::Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                files.push((path.clone(), std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
 /// A fresh run pointed at another run's output directory is refused before any work, naming
 /// the directory and what it holds, and changes nothing there; `resume` continues that run and
 /// `overwrite` replaces it (its old checkpoints gone, not mixed with the new ones).
@@ -267,22 +290,7 @@ fn a_used_output_directory_is_refused() {
         ..config(&fx, "used")
     };
     train(cfg(2), 1);
-    let snapshot = || {
-        let mut files = Vec::new();
-        let mut stack = vec![dir.clone()];
-        while let Some(d) = stack.pop() {
-            for entry in std::fs::read_dir(&d).unwrap() {
-                let path = entry.unwrap().path();
-                if path.is_dir() {
-                    stack.push(path);
-                } else {
-                    files.push((path.clone(), std::fs::read(&path).unwrap()));
-                }
-            }
-        }
-        files.sort();
-        files
-    };
+    let snapshot = || snapshot(&dir);
     let before = snapshot();
     let latest = train::latest_checkpoint(&dir)
         .unwrap()
@@ -386,10 +394,10 @@ fn hf_export_reloads() {
     let ckpt = train::latest_checkpoint(&fx.path("export"))
         .unwrap()
         .expect("a checkpoint");
-    let master = hf::load_safetensors_dir(ckpt.join("model")).unwrap();
+    let master = checkpoint_tensors(&ckpt);
     for (name, t) in &exported {
-        let m = &master[name];
-        for (x, y) in t.data.iter().zip(&m.data) {
+        let (_, m) = &master[&("weights".to_string(), name.clone())];
+        for (x, y) in t.data.iter().zip(m) {
             // bf16 keeps 8 significant bits: relative error at most 2^-8 after rounding.
             assert!(
                 (x - y).abs() <= y.abs() / 256.0,
@@ -705,4 +713,78 @@ fn resuming_with_other_data_settings_needs_a_flag() {
         1,
     );
     assert_eq!(s.steps, 3);
+}
+
+/// Resuming with a `tokenizer` other than the checkpoint's is refused naming both files and
+/// sizes, and changes nothing; the same tokenizer given again (as a repeated command line
+/// does) resumes.
+#[test]
+fn resuming_with_another_tokenizer_is_refused() {
+    let fx = Fixture::new();
+    let first = TrainConfig {
+        steps: 2,
+        ..config(&fx, "retok")
+    };
+    train(first.clone(), 1);
+    let other = fx.path("other-tokenizer.json");
+    let text = std::fs::read_to_string(&first.data).unwrap();
+    TextTokenizer::train_byte_level_bpe([&text[..text.len() / 4]], 280)
+        .unwrap()
+        .save(&other)
+        .unwrap();
+    let before = snapshot(&first.out_dir);
+    let resume = TrainConfig {
+        steps: 3,
+        resume: true,
+        ..first
+    };
+    let e = expect_error(
+        try_train(
+            TrainConfig {
+                tokenizer: Some(other.clone()),
+                ..resume.clone()
+            },
+            1,
+        ),
+        "another tokenizer",
+    );
+    assert!(
+        e.contains("other-tokenizer.json (280 tokens)") && e.contains("300 tokens"),
+        "{e}"
+    );
+    assert!(snapshot(&resume.out_dir) == before, "the refused run wrote");
+    assert_eq!(train(resume, 1).steps, 3);
+}
+
+/// A corpus with fewer training sequences than one step's global batch is refused before any
+/// work, naming the counts (each batch would repeat sequences and the summary describe them).
+#[test]
+fn a_corpus_shorter_than_one_batch_is_refused() {
+    let fx = Fixture::new();
+    let small = fx.path("small.txt");
+    let text = std::fs::read_to_string(&fx.base_config("x").data).unwrap();
+    std::fs::write(&small, &text[..600]).unwrap();
+    let cfg = TrainConfig {
+        data: small.to_string_lossy().into_owned(),
+        micro_batch: 8,
+        val_fraction: 0.0,
+        ..config(&fx, "small")
+    };
+    let e = expect_error(try_train(cfg.clone(), 2), "a corpus shorter than a batch");
+    assert!(
+        e.contains("global batch of 16")
+            && e.contains("micro_batch 8 x 2 data-parallel ranks x 1 accumulation steps"),
+        "{e}"
+    );
+    assert!(
+        !cfg.out_dir.exists() || snapshot(&cfg.out_dir).is_empty(),
+        "the refused run wrote"
+    );
+    // The same corpus fills a batch of 2 x 1.
+    let fits = TrainConfig {
+        micro_batch: 1,
+        steps: 1,
+        ..cfg
+    };
+    assert_eq!(train(fits, 2).steps, 1);
 }

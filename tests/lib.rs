@@ -267,6 +267,30 @@ pub mod trainer {
         first
     }
 
+    /// Every tensor of a sharded checkpoint, read whole: `(kind, name) -> (shape, values)`,
+    /// kind `weights`, `exp_avg` or `exp_avg_sq`.
+    pub fn checkpoint_tensors(
+        dir: &std::path::Path,
+    ) -> std::collections::BTreeMap<(String, String), (Vec<usize>, Vec<f32>)> {
+        use smp_burn::checkpoint::{KINDS, ShardedCheckpoint, kind_name};
+        let ckpt = ShardedCheckpoint::open(dir)
+            .unwrap_or_else(|e| panic!("opening {}: {e}", dir.display()));
+        let mut out = std::collections::BTreeMap::new();
+        for (name, entry) in &ckpt.index().tensors {
+            let numel = entry.shape.iter().product();
+            for kind in KINDS {
+                let values = ckpt
+                    .read(name, &entry.shape, kind, 0..numel)
+                    .unwrap_or_else(|e| panic!("reading {name}: {e}"));
+                out.insert(
+                    (kind_name(kind).to_string(), name.clone()),
+                    (entry.shape.clone(), values),
+                );
+            }
+        }
+        out
+    }
+
     /// [`try_train`], panicking on an error.
     pub fn train(config: TrainConfig, world: usize) -> Summary {
         try_train(config, world).unwrap_or_else(|e| panic!("training failed: {e}"))

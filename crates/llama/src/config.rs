@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use smp_burn::Precision;
+
 use crate::error::{LlamaError, Result};
 
 /// The shape of a Llama model. Field names follow Hugging Face's `LlamaConfig` so that a
@@ -156,86 +158,86 @@ impl LlamaConfig {
         attn + mlp + 2 * h
     }
 
-    /// Bytes one GPU needs to train this shape with smp-burn's CUDA path (bf16 compute, fp32
-    /// master weights, AdamW moments and gradient shards), `tokens` per micro-batch per
-    /// tensor-parallel group, parameters sharded over `shard_degree x tp` ranks, the first
-    /// `recomputed_layers` decoder layers checkpointed (0: none; the number of layers or more:
-    /// all), their inputs offloaded to host memory when `offload_horizon` is `Some(horizon)`
-    /// (then only `horizon + 1` of them are on the device at once: the ones brought back ahead
-    /// of the backward and the one whose copy is in flight in the forward).
+    /// Bytes one GPU needs to train this shape with smp-burn's CUDA path laid out as `layout`
+    /// (fp32 master weights, AdamW moments and gradient shards; compute in
+    /// [`StepLayout::compute`]), the first `recomputed_layers` decoder layers checkpointed (0:
+    /// none; the number of layers or more: all), their inputs offloaded to host memory when
+    /// [`StepLayout::offload_horizon`] is `Some(horizon)` (then only `horizon + 1` of them are on
+    /// the device at once: the ones brought back ahead of the backward and the one whose copy is
+    /// in flight in the forward).
     ///
-    /// A rough model, calibrated on an H200 at S=4096 (the memory in use as the step log reports
-    /// it): Llama 2 7B on one GPU measured 112.6 GiB with every layer recomputed and 122.1 GiB
-    /// with none (this gives 115.4 and 125.4); the 1.2B preset 27.0 GiB with none (25.4); 7B on
-    /// two GPUs 87.6 GiB with none (77.0: f32 gradients, NCCL buffers and the prefetched unit
-    /// are counted only roughly). Its use is to decide how many layers to recompute
-    /// ([`Self::layers_to_recompute`]), not to predict the last gigabyte.
-    pub fn training_memory_estimate(
-        &self,
-        tokens: usize,
-        shard_degree: usize,
-        tp: usize,
-        recomputed_layers: usize,
-        offload_horizon: Option<usize>,
-    ) -> u64 {
+    /// Calibrated on an H200 against the device memory in use as the step log reports it
+    /// (docs/benchmarks.md lists each run beside this estimate); within 10 % of every one-GPU
+    /// run measured: bf16 at S=4096 (1.2B 27.0 GiB, Llama 2 7B 112.6-122.1 GiB) and f32 with the
+    /// reference attention (1.2B at S=2048 25.4-62.6 GiB, 7B 123.7 GiB). Two-GPU runs are
+    /// counted more roughly (f32 gradients, NCCL buffers and the prefetched unit). Its use is
+    /// to decide how many layers to recompute ([`Self::layers_to_recompute`]).
+    pub fn training_memory_estimate(&self, layout: &StepLayout, recomputed_layers: usize) -> u64 {
         let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
-        let tokens = tokens as u64;
-        let ranks = (shard_degree.max(1) * tp.max(1)) as u64;
-        // Master weights and two moments (f32), the gradient shard (f32 where it is reduced,
-        // bf16 where a unit has nothing to reduce) and the bf16 weight copy AdamW writes for the
-        // next gather.
-        let grad_bytes = if shard_degree <= 1 { 2 } else { 4 };
-        let state = self.num_parameters() as u64 * (12 + grad_bytes + 2) / ranks;
+        let tokens = (layout.micro_batch * layout.seq_len) as u64;
+        let shard_degree = layout.shard_degree.max(1);
+        let tp = layout.tp.max(1) as u64;
+        let ranks = shard_degree as u64 * tp;
+        let f32_compute = layout.compute == Precision::F32;
+        // Master weights and two moments (f32), the gradient shard (f32 where it is reduced or
+        // computed in f32, bf16 where a unit has nothing to reduce) and, in bf16, the weight
+        // copy AdamW writes for the next gather.
+        let grad_bytes = if shard_degree <= 1 && !f32_compute {
+            2
+        } else {
+            4
+        };
+        let copy_bytes = if f32_compute { 0 } else { 2 };
+        let state = self.num_parameters() as u64 * (12 + grad_bytes + copy_bytes) / ranks;
         // The largest unit (a layer, or the embedding / head, both split over the vocabulary
-        // with tensor parallelism) gathered in bf16 with its bf16 gradients and their f32 flat
-        // buffer while it runs.
-        let largest_unit = (self.block_parameters() as u64 / tp.max(1) as u64)
-            .max((self.vocab_size * self.hidden_size / tp.max(1)) as u64);
+        // with tensor parallelism) gathered with its gradients and their f32 flat buffer while
+        // it runs.
+        let largest_unit = (self.block_parameters() as u64 / tp)
+            .max((self.vocab_size * self.hidden_size) as u64 / tp);
         let transient = largest_unit * 12;
-        // bf16 tensors a layer keeps for its backward: the inputs of its linears, q/k/v and the
+        // Tensors a layer keeps for its backward: the inputs of its linears, q/k/v and the
         // attention output, the norms' inputs, the MLP's gate/up outputs, split along the
         // sequence with tensor parallelism. Counting every one gives about 10 h + 4 i values per
-        // token; the pool measured half of that (7B: 0.3 GiB per layer at 4,096 tokens; several
-        // of those tensors are views of one buffer or freed early), so 5 h + 2 i. With tensor
-        // parallelism the inputs of q/k/v and of gate/up are the sequence gathered from every
-        // rank, `h` values per token of the full sequence each (7B, tp 2, S=32,768 measured
-        // 129.5 GiB with no layer recomputed).
-        let tp = tp.max(1) as u64;
+        // token; the pool measured half of that (7B: 0.3 GiB per layer at 4,096 tokens in bf16;
+        // several of those tensors are views of one buffer or freed early), so 5 h + 2 i. With
+        // tensor parallelism the inputs of q/k/v and of gate/up are the sequence gathered from
+        // every rank, `h` values per token of the full sequence each (7B, tp 2, S=32,768
+        // measured 129.5 GiB with no layer recomputed).
+        let value_bytes: u64 = if f32_compute { 4 } else { 2 };
         let gathered = if tp > 1 { 2 * h } else { 0 };
-        let layer_acts = tokens * ((5 * h + 2 * i) / tp + gathered) * 2;
+        let mut layer_acts = tokens * ((5 * h + 2 * i) / tp + gathered) * value_bytes;
+        if !layout.flash_attention {
+            // The reference attention keeps three f32 `seq x seq` tensors per head for its
+            // backward (the softmax's input pieces and output; 1.2B in f32 at S=2048 measured
+            // 1.69 GiB per layer that keeps its graph, 0.17 of it the other activations).
+            let heads = (self.num_attention_heads as u64 / tp).max(1);
+            let seq = layout.seq_len as u64;
+            layer_acts += 3 * layout.micro_batch as u64 * heads * seq * seq * 4;
+        }
         let layers = self.num_hidden_layers as u64;
         let recomputed = (recomputed_layers as u64).min(layers);
         // A recomputed layer keeps its input. The peak is at the end of the forward (every kept
         // layer's graph) or, when all are recomputed, in the backward (one layer's graph); the
         // kept layers are the last ones, so their graphs are gone before any recomputation.
-        let kept_inputs = match offload_horizon {
+        let kept_inputs = match layout.offload_horizon {
             Some(horizon) => recomputed.min(horizon as u64 + 1),
             None => recomputed,
         };
-        let acts = kept_inputs * tokens * h * 2 / tp + (layers - recomputed).max(1) * layer_acts;
+        let acts =
+            kept_inputs * tokens * h * value_bytes / tp + (layers - recomputed).max(1) * layer_acts;
         // Allocator slack and the CUDA context.
         (state + transient + acts) * 11 / 10 + (1 << 30)
     }
 
     /// How many decoder layers to recompute (activation checkpointing, first layers first) so
-    /// that training fits `device_bytes` of GPU memory: the fewest whose estimate
-    /// ([`Self::training_memory_estimate`]) stays within [`MEMORY_BUDGET_PERCENT`] of it, or all
-    /// when even that does not fit. Recomputing a layer costs a third more of its compute, so
-    /// every layer that fits keeps its activations.
-    pub fn layers_to_recompute(
-        &self,
-        tokens: usize,
-        shard_degree: usize,
-        tp: usize,
-        offload_horizon: Option<usize>,
-        device_bytes: u64,
-    ) -> usize {
+    /// that training laid out as `layout` fits `device_bytes` of GPU memory: the fewest whose
+    /// estimate ([`Self::training_memory_estimate`]) stays within [`MEMORY_BUDGET_PERCENT`] of
+    /// it, or all when even that does not fit. Recomputing a layer costs a third more of its
+    /// compute, so every layer that fits keeps its activations.
+    pub fn layers_to_recompute(&self, layout: &StepLayout, device_bytes: u64) -> usize {
         let budget = device_bytes / 100 * MEMORY_BUDGET_PERCENT;
         (0..=self.num_hidden_layers)
-            .find(|&n| {
-                self.training_memory_estimate(tokens, shard_degree, tp, n, offload_horizon)
-                    <= budget
-            })
+            .find(|&n| self.training_memory_estimate(layout, n) <= budget)
             .unwrap_or(self.num_hidden_layers)
     }
 
@@ -259,6 +261,44 @@ impl LlamaConfig {
 /// 139.8 GiB) with no layer recomputed.
 pub const MEMORY_BUDGET_PERCENT: u64 = 92;
 
+/// How one training step is laid out on a GPU, as far as its memory goes: what
+/// [`LlamaConfig::training_memory_estimate`] needs besides the model's shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepLayout {
+    /// Sequences per micro-batch (per tensor-parallel group).
+    pub micro_batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Ranks each parameter is sharded over (1: unsharded).
+    pub shard_degree: usize,
+    /// Tensor-parallel degree (1: off).
+    pub tp: usize,
+    /// `Some(horizon)` when recomputed layers' inputs are offloaded to host memory.
+    pub offload_horizon: Option<usize>,
+    /// The dtype weights and activations are computed in (`param_dtype`).
+    pub compute: Precision,
+    /// Whether attention runs as the flash kernels (nothing of size `seq x seq` kept) or as
+    /// the reference ops, which keep the scores (f32 compute, other head dimensions, GPUs
+    /// before sm_80, or the attention fast path turned off).
+    pub flash_attention: bool,
+}
+
+impl StepLayout {
+    /// A layout with compute in bf16 and flash attention, unsharded, no tensor parallelism and
+    /// no offloading: the common one-GPU case, changed field by field.
+    pub fn bf16(micro_batch: usize, seq_len: usize) -> Self {
+        Self {
+            micro_batch,
+            seq_len,
+            shard_degree: 1,
+            tp: 1,
+            offload_horizon: None,
+            compute: Precision::Bf16,
+            flash_attention: true,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -272,41 +312,100 @@ mod tests {
     fn memory_estimate_matches_measured_runs() {
         let b1 = LlamaConfig::preset("1b").unwrap();
         let b7 = LlamaConfig::preset("7b").unwrap();
-        let gib = |c: &LlamaConfig, shard, recomputed: usize| {
-            c.training_memory_estimate(4096, shard, 1, recomputed, None) as f64 / GIB
+        let at = |shard, tp, seq| StepLayout {
+            shard_degree: shard,
+            tp,
+            ..StepLayout::bf16(1, seq)
         };
-        let near = |got: f64, measured: f64| (got - measured).abs() / measured < 0.15;
-        assert!(near(gib(&b1, 1, 0), 27.0), "{}", gib(&b1, 1, 0));
-        assert!(near(gib(&b7, 1, 32), 112.6), "{}", gib(&b7, 1, 32));
-        assert!(near(gib(&b7, 1, 0), 122.1), "{}", gib(&b7, 1, 0));
-        assert!(near(gib(&b7, 1, 8), 120.2), "{}", gib(&b7, 1, 8));
-        assert!(near(gib(&b7, 1, 16), 118.4), "{}", gib(&b7, 1, 16));
-        // Two ranks keep f32 gradients for the reduce-scatter (measured: 87.6 GiB).
-        assert!(near(gib(&b7, 2, 0), 87.6), "{}", gib(&b7, 2, 0));
+        let gib = |c: &LlamaConfig, layout: &StepLayout, recomputed: usize| {
+            c.training_memory_estimate(layout, recomputed) as f64 / GIB
+        };
+        let bf16 = |c: &LlamaConfig, shard, recomputed| gib(c, &at(shard, 1, 4096), recomputed);
+        let near = |got: f64, measured: f64, within: f64| {
+            assert!(
+                (got - measured).abs() / measured < within,
+                "estimate {got:.1} GiB against {measured} measured"
+            )
+        };
+        // One H200, within 10 %.
+        near(bf16(&b1, 1, 0), 27.0, 0.10);
+        near(bf16(&b7, 1, 32), 112.6, 0.10);
+        near(bf16(&b7, 1, 0), 122.1, 0.10);
+        near(bf16(&b7, 1, 8), 120.2, 0.10);
+        near(bf16(&b7, 1, 16), 118.4, 0.10);
+        // Two ranks keep f32 gradients for the reduce-scatter (measured: 87.6 GiB); the
+        // estimate counts NCCL's buffers and the prefetched unit only roughly.
+        near(bf16(&b7, 2, 0), 87.6, 0.15);
         // Fewer recomputed layers never need less memory (up to the last one: recomputing every
         // layer saves nothing over keeping the last one's graph, whose backward comes first).
         for n in 0..31 {
-            assert!(gib(&b7, 1, n) >= gib(&b7, 1, n + 1), "{n}");
+            assert!(bf16(&b7, 1, n) >= bf16(&b7, 1, n + 1), "{n}");
         }
         let h200 = (139.8 * GIB) as u64;
-        assert_eq!(b1.layers_to_recompute(4096, 1, 1, None, h200), 0);
-        assert_eq!(b7.layers_to_recompute(4096, 1, 1, None, h200), 0);
-        let long = b7.layers_to_recompute(8192, 1, 1, None, h200);
+        assert_eq!(b1.layers_to_recompute(&at(1, 1, 4096), h200), 0);
+        assert_eq!(b7.layers_to_recompute(&at(1, 1, 4096), h200), 0);
+        let long = b7.layers_to_recompute(&at(1, 1, 8192), h200);
         assert!(
             long > 0 && long < 32,
             "7B at S=8192 recomputes {long} layers"
         );
-        assert_eq!(b7.layers_to_recompute(65536, 1, 1, None, h200), 32);
+        assert_eq!(b7.layers_to_recompute(&at(1, 1, 65536), h200), 32);
         // Sharding and tensor parallelism divide the state.
-        assert!(gib(&b7, 2, 0) < gib(&b7, 1, 0) - 40.0);
-        let tp2 = b7.training_memory_estimate(4096, 1, 2, 0, None) as f64 / GIB;
-        assert!(tp2 < gib(&b7, 1, 0) - 40.0);
-        // Tensor parallelism 2 at S=32,768 (measured): 73.7 GiB with every layer
+        assert!(bf16(&b7, 2, 0) < bf16(&b7, 1, 0) - 40.0);
+        assert!(gib(&b7, &at(1, 2, 4096), 0) < bf16(&b7, 1, 0) - 40.0);
+        // Tensor parallelism 2 at S=32,768 on two GPUs (measured): 73.7 GiB with every layer
         // recomputed, 129.5 GiB with none, which the automatic choice (none) kept.
-        let tp_long = |n| b7.training_memory_estimate(32768, 1, 2, n, None) as f64 / GIB;
-        assert!(near(tp_long(32), 73.7), "{}", tp_long(32));
-        assert!(near(tp_long(0), 129.5), "{}", tp_long(0));
-        assert_eq!(b7.layers_to_recompute(32768, 1, 2, None, h200), 0);
+        near(gib(&b7, &at(1, 2, 32768), 32), 73.7, 0.15);
+        near(gib(&b7, &at(1, 2, 32768), 0), 129.5, 0.15);
+        assert_eq!(b7.layers_to_recompute(&at(1, 2, 32768), h200), 0);
+    }
+
+    /// f32 compute (`--param-dtype f32`) takes the reference attention, which keeps its
+    /// `seq x seq` scores: measured on an H200, the 1.2B model at S=2048, micro-batch 1, holds
+    /// 62.6 GiB with no layer recomputed, 43.4 with 11 of 22 and 25.4 with all; Llama 2 7B at
+    /// S=4096 with all 32 recomputed 123.7 GiB. The estimate that ignored the scores said 24 GiB
+    /// for the first, so the planner let micro-batch 4 run out of memory.
+    #[test]
+    fn memory_estimate_counts_f32_and_the_reference_attention() {
+        let b1 = LlamaConfig::preset("1b").unwrap();
+        let b7 = LlamaConfig::preset("7b").unwrap();
+        let f32_layout = |micro_batch, seq| StepLayout {
+            compute: Precision::F32,
+            flash_attention: false,
+            ..StepLayout::bf16(micro_batch, seq)
+        };
+        let gib = |c: &LlamaConfig, layout: &StepLayout, recomputed: usize| {
+            c.training_memory_estimate(layout, recomputed) as f64 / GIB
+        };
+        for (model, layout, recomputed, measured) in [
+            (&b1, f32_layout(1, 2048), 0, 62.6),
+            (&b1, f32_layout(1, 2048), 11, 43.4),
+            (&b1, f32_layout(1, 2048), 22, 25.4),
+            (&b7, f32_layout(1, 4096), 32, 123.7),
+        ] {
+            let got = gib(model, &layout, recomputed);
+            assert!(
+                (got - measured).abs() / measured < 0.10,
+                "{} layers, {recomputed} recomputed, S={}: estimate {got:.1} GiB, measured \
+                 {measured}",
+                model.num_hidden_layers,
+                layout.seq_len
+            );
+        }
+        // Micro-batch 4 needs about four times the scores: some layers must recompute, and
+        // what the planner keeps fits the budget.
+        let h200 = (139.8 * GIB) as u64;
+        let four = f32_layout(4, 2048);
+        let recomputed = b1.layers_to_recompute(&four, h200);
+        assert!(recomputed > 0 && recomputed < 22, "{recomputed}");
+        assert!(gib(&b1, &four, recomputed) <= 139.8 * 0.92);
+        // The scores are what f32 adds beyond twice the bytes per value: with flash attention
+        // the same layout keeps a small fraction of it.
+        let flash = StepLayout {
+            flash_attention: true,
+            ..f32_layout(1, 2048)
+        };
+        assert!(gib(&b1, &flash, 0) < gib(&b1, &f32_layout(1, 2048), 0) / 2.0);
     }
 
     /// Offloading takes the recomputed layers' inputs off the device but for the horizon's
@@ -316,7 +415,11 @@ mod tests {
     fn offloading_frees_the_recomputed_layers_inputs() {
         let b7 = LlamaConfig::preset("7b").unwrap();
         let gib = |recomputed, horizon| {
-            b7.training_memory_estimate(65536, 1, 1, recomputed, horizon) as f64 / GIB
+            let layout = StepLayout {
+                offload_horizon: horizon,
+                ..StepLayout::bf16(1, 65536)
+            };
+            b7.training_memory_estimate(&layout, recomputed) as f64 / GIB
         };
         let saved = gib(32, None) - gib(32, Some(2));
         // 29 inputs of 0.5 GiB, plus the estimate's 10 % allocator slack.

@@ -10,8 +10,10 @@ use std::time::Instant;
 use burn::tensor::{Int, Tensor, TensorData, backend::AutodiffBackend};
 use clap::parser::ValueSource;
 use clap::{ArgAction, Args, CommandFactory, FromArgMatches, Parser};
+use collectives::{CommunicatorExt, ReduceOp};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use smp_burn::checkpoint::{Checkpointer, Committed, ShardedCheckpoint, committed_checkpoints};
 use smp_burn::engine::{Init, StateKind};
 use smp_burn::fsdp::AdamW;
 use smp_burn::mesh::Mesh;
@@ -93,7 +95,8 @@ pub struct TrainConfig {
     /// JSONL field holding the text.
     #[arg(long, default_value = "text")]
     pub text_field: String,
-    /// A `tokenizer.json` to use instead of training a BPE tokenizer on the corpus.
+    /// A `tokenizer.json` to use instead of training a BPE tokenizer on the corpus. A resumed
+    /// run uses the checkpoint's; one given here must have the same vocabulary.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Fraction of the corpus held out for validation.
@@ -120,6 +123,10 @@ pub struct TrainConfig {
                 models); the config key is checkpoints = false"
     )]
     pub checkpoints: bool,
+    /// Keep only the newest this many checkpoints, deleting older ones once a newer one is
+    /// complete; unset keeps all.
+    #[arg(long, value_name = "K")]
+    pub keep_checkpoints: Option<usize>,
     /// Continue from the latest checkpoint in `out_dir`.
     #[arg(long)]
     pub resume: bool,
@@ -1092,6 +1099,11 @@ pub fn prepare(config: TrainConfig) -> Result<Prepared> {
         None
     };
     let tokenizer = match (&resume_tok, &config.tokenizer, &config.init_from_hf) {
+        (Some(saved), Some(given), _) => {
+            let tokenizer = TextTokenizer::from_file(saved)?;
+            check_same_tokenizer(&tokenizer, saved, &TextTokenizer::from_file(given)?, given)?;
+            tokenizer
+        }
         (Some(path), _, _) | (None, Some(path), _) => TextTokenizer::from_file(path)?,
         (None, None, Some(dir)) if dir.join("tokenizer.json").exists() => {
             TextTokenizer::from_file(dir.join("tokenizer.json"))?
@@ -1115,6 +1127,34 @@ pub fn prepare(config: TrainConfig) -> Result<Prepared> {
         tokenizer,
         dataset,
     })
+}
+
+/// Refuses to resume with a `--tokenizer` other than the checkpoint's: the model's embedding
+/// rows are indexed by the checkpoint's token ids, so another vocabulary would feed it other
+/// tokens under the same numbers. Two tokenizers are the same here when their vocabularies
+/// (token to id, added tokens included) are.
+fn check_same_tokenizer(
+    saved: &TextTokenizer,
+    saved_path: &Path,
+    given: &TextTokenizer,
+    given_path: &Path,
+) -> Result<()> {
+    let (a, b) = (saved.inner().get_vocab(true), given.inner().get_vocab(true));
+    if a == b {
+        return Ok(());
+    }
+    let differing = a.iter().filter(|(t, id)| b.get(*t) != Some(id)).count()
+        + b.keys().filter(|t| !a.contains_key(*t)).count();
+    Err(LlamaError::Config(format!(
+        "--tokenizer {} ({} tokens) is not the tokenizer of the checkpoint being resumed ({}, {} \
+         tokens; {differing} tokens differ): the model's embeddings are indexed by the \
+         checkpoint's token ids. Resume without --tokenizer (the checkpoint's is used), or start \
+         a fresh run",
+        given_path.display(),
+        b.len(),
+        saved_path.display(),
+        a.len()
+    )))
 }
 
 /// What a finished run reports.
@@ -1162,6 +1202,29 @@ pub fn accumulation_steps(cfg: &TrainConfig, dp_size: usize) -> Result<usize> {
     Ok(cfg.global_batch_tokens / per_micro)
 }
 
+/// Checks that the training split holds at least one optimizer step's sequences: with fewer,
+/// every batch would repeat windows within itself (the loader wraps into the next epoch), and
+/// the losses and the summary would describe a few sequences seen many times.
+pub fn check_data_fills_a_batch(prepared: &Prepared, dp_size: usize, accum: usize) -> Result<()> {
+    let cfg = &prepared.config;
+    let rows = cfg.micro_batch * dp_size * accum;
+    let windows = prepared.dataset.train_windows();
+    if windows >= rows {
+        return Ok(());
+    }
+    Err(LlamaError::Data(format!(
+        "the training split has {windows} sequences of seq_len {} ({} tokens of data; \
+         val_fraction {} holds back {} more), fewer than one step's global batch of {rows} \
+         (micro_batch {} x {dp_size} data-parallel ranks x {accum} accumulation steps): each step \
+         would repeat sequences; use more data, a shorter seq_len or a smaller batch",
+        cfg.seq_len,
+        prepared.dataset.tokens().len(),
+        cfg.val_fraction,
+        prepared.dataset.val_windows(),
+        cfg.micro_batch,
+    )))
+}
+
 /// Checks that the run's `tensor_parallel_degree` splits its sequences (`seq_len`) and the
 /// model (heads, key/value heads, MLP width); each error names the values. Nothing to check
 /// without tensor parallelism.
@@ -1192,6 +1255,7 @@ pub fn train_rank<B: AutodiffBackend>(
     let accum = accumulation_steps(cfg, mesh.dp_size())?;
     let global_micro = cfg.micro_batch * mesh.dp_size();
     let tokens_per_step = (global_micro * accum * cfg.seq_len) as u64;
+    check_data_fills_a_batch(prepared, mesh.dp_size(), accum)?;
 
     // Model: from a checkpoint, from Hugging Face weights, or from the seed.
     let clip = (cfg.grad_clip > 0.0).then_some(cfg.grad_clip);
@@ -1203,51 +1267,13 @@ pub fn train_rank<B: AutodiffBackend>(
         };
         build::<B>(&prepared.model, &mesh, device, how)
     };
-    let resume_dir = if cfg.resume {
-        latest_checkpoint(&cfg.out_dir)?
+    let resumed = if cfg.resume {
+        resume_from_checkpoint(prepared, &mesh, &build)?
     } else {
         None
     };
-    let (mut model, mut start_step, mut position) = match &resume_dir {
-        Some(dir) => {
-            let state = ResumeState::read(dir)?;
-            let changes = state.data_changes(cfg);
-            if !changes.is_empty() {
-                if !cfg.resume_with_changes {
-                    return Err(LlamaError::checkpoint(
-                        dir,
-                        format!(
-                            "was written by a run with other data settings ({}); its data \
-                             position would mean something else here. Pass \
-                             --resume-with-changes to continue anyway, or start afresh",
-                            changes.join(", ")
-                        ),
-                    ));
-                }
-                tracing::warn!("resuming with other data settings: {}", changes.join(", "));
-            }
-            if state.model != prepared.model {
-                return Err(LlamaError::checkpoint(
-                    dir,
-                    format!(
-                        "was written for model {:?}, this run builds {:?}",
-                        state.model, prepared.model
-                    ),
-                ));
-            }
-            let weights = load_checked(&dir.join("model"), &prepared.model)?;
-            let mut model = build(Init::source(reader_source(&weights)))?;
-            for (kind, sub) in [
-                (StateKind::ExpAvg, "exp_avg"),
-                (StateKind::ExpAvgSq, "exp_avg_sq"),
-            ] {
-                let path = dir.join("optimizer").join(sub);
-                let moments = load_checked(&path, &prepared.model)?;
-                model.load_state(kind, &reader_source(&moments))?;
-            }
-            model.set_optimizer_steps(state.step);
-            (model, state.step, state.data_position)
-        }
+    let (mut model, mut start_step, mut position) = match resumed {
+        Some(state) => state,
         None => {
             let model = match &cfg.init_from_hf {
                 Some(hf_dir) => {
@@ -1259,6 +1285,10 @@ pub fn train_rank<B: AutodiffBackend>(
             (model, 0, DataPosition::default())
         }
     };
+    let mut checkpointer = cfg.checkpoints.then(|| {
+        Checkpointer::new(cfg.out_dir.join("checkpoints"), mesh.world().clone())
+            .keep(cfg.keep_checkpoints)
+    });
     let unigram = prepared.dataset.unigram_entropy();
     let flops_per_token = prepared.model.flops_per_token(cfg.seq_len);
 
@@ -1516,13 +1546,39 @@ pub fn train_rank<B: AutodiffBackend>(
                         .unwrap_or_default(),
                 );
             }
-            if saves(reported) {
-                save_checkpoint(&model, prepared, reported, position, lead)?;
+            if saves(reported)
+                && let Some(saver) = checkpointer.as_mut()
+            {
+                let extras = checkpoint_extras(prepared, reported, position)?;
+                let started = saver.save(&model, reported, extras)?;
+                if lead {
+                    tracing::info!(
+                        "checkpoint at step {reported}: training waited {:.0} ms ({:.0} ms for \
+                         the previous save, {:.0} ms copying {:.1} MB of this rank's shards); \
+                         writing in the background",
+                        (started.waited + started.blocked).as_secs_f64() * 1e3,
+                        started.waited.as_secs_f64() * 1e3,
+                        started.blocked.as_secs_f64() * 1e3,
+                        started.bytes as f64 / 1e6
+                    );
+                }
             }
+        }
+        if let Some(saver) = checkpointer.as_mut()
+            && let Some(done) = saver.poll()?
+            && lead
+        {
+            log_committed(&done);
         }
     }
     if let Some(bar) = bar {
         bar.finish();
+    }
+    if let Some(saver) = checkpointer.as_mut()
+        && let Some(done) = saver.finish()?
+        && lead
+    {
+        log_committed(&done);
     }
     let elapsed = run_start.elapsed().as_secs_f64();
 
@@ -1706,6 +1762,103 @@ fn named_map(items: Vec<(String, Vec<usize>, Vec<f32>)>) -> Result<TensorMap> {
         .collect()
 }
 
+/// The model, step and data position of the newest intact checkpoint in the run's directory;
+/// `None` when there is none to resume. A checkpoint any rank finds damaged (a checksum, a
+/// missing or truncated file) is skipped for the next older one, with a warning naming it and
+/// why; a checkpoint of another model or data settings is an error (falling back would not
+/// help).
+fn resume_from_checkpoint<B: AutodiffBackend>(
+    prepared: &Prepared,
+    mesh: &Mesh<B::InnerBackend>,
+    build: &dyn Fn(Init<'_>) -> Result<LlamaEngine<B>>,
+) -> Result<Option<(LlamaEngine<B>, u64, DataPosition)>> {
+    let cfg = &prepared.config;
+    let candidates = committed_checkpoints(&cfg.out_dir.join("checkpoints"));
+    let mut skipped = Vec::new();
+    for dir in &candidates {
+        let state = ResumeState::read(dir)?;
+        let changes = state.data_changes(cfg);
+        if !changes.is_empty() {
+            if !cfg.resume_with_changes {
+                return Err(LlamaError::checkpoint(
+                    dir,
+                    format!(
+                        "was written by a run with other data settings ({}); its data position \
+                         would mean something else here. Pass --resume-with-changes to \
+                         continue anyway, or start afresh",
+                        changes.join(", ")
+                    ),
+                ));
+            }
+            tracing::warn!("resuming with other data settings: {}", changes.join(", "));
+        }
+        if state.model != prepared.model {
+            return Err(LlamaError::checkpoint(
+                dir,
+                format!(
+                    "was written for model {:?}, this run builds {:?}",
+                    state.model, prepared.model
+                ),
+            ));
+        }
+        let loaded = ShardedCheckpoint::open(dir)
+            .map_err(LlamaError::from)
+            .and_then(|ckpt| {
+                let mut model = build(Init::source(ckpt.source(StateKind::Weights)))?;
+                for kind in [StateKind::ExpAvg, StateKind::ExpAvgSq] {
+                    model.load_state(kind, &ckpt.source(kind))?;
+                }
+                Ok(model)
+            });
+        // Every rank resumes from the same checkpoint: one rank's damaged file sends all back.
+        let mut damaged = [u8::from(loaded.is_err())];
+        mesh.world()
+            .all_reduce(&mut damaged, ReduceOp::Max)
+            .map_err(smp_burn::SmpError::from)?;
+        match loaded {
+            Ok(mut model) if damaged[0] == 0 => {
+                if !skipped.is_empty() && mesh.rank() == 0 {
+                    tracing::warn!(
+                        "resumed from {} (step {}), the newest intact checkpoint",
+                        dir.display(),
+                        state.step
+                    );
+                }
+                model.set_optimizer_steps(state.step);
+                return Ok(Some((model, state.step, state.data_position)));
+            }
+            result => {
+                let why = match result {
+                    Err(e) => e.to_string(),
+                    Ok(_) => "another rank found it damaged (see its log)".into(),
+                };
+                tracing::warn!(
+                    "checkpoint {} cannot be resumed ({why}); trying the next older one",
+                    dir.display()
+                );
+                skipped.push(format!("{}: {why}", dir.display()));
+            }
+        }
+    }
+    if skipped.is_empty() {
+        return Ok(None);
+    }
+    Err(LlamaError::Config(format!(
+        "--resume: no intact checkpoint in {}: {}",
+        cfg.out_dir.join("checkpoints").display(),
+        skipped.join("; ")
+    )))
+}
+
+/// Logs a checkpoint that became visible.
+fn log_committed(done: &Committed) {
+    tracing::info!(
+        "checkpoint {} complete ({:.1} s from the save step to every rank's file synced)",
+        done.dir.display(),
+        done.write_time.as_secs_f64()
+    );
+}
+
 /// Opens a checkpoint directory and checks its tensor names and shapes against the model; the
 /// values are read later, each rank only its own chunks.
 fn load_checked(dir: &Path, config: &LlamaConfig) -> Result<hf::CheckpointReader> {
@@ -1868,6 +2021,9 @@ fn check_values(c: &TrainConfig) -> Result<()> {
             bad.push(format!("{name} = 0 (must be at least 1)"));
         }
     }
+    if c.keep_checkpoints == Some(0) {
+        bad.push("keep_checkpoints = 0 (keep at least 1, or leave it unset to keep all)".into());
+    }
     if c.eval_interval > 0 && c.eval_batches == 0 {
         bad.push("eval_batches = 0 with evaluation on (eval_interval > 0)".into());
     }
@@ -1941,97 +2097,40 @@ fn clear_previous_run(out_dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The checkpoint named by `out_dir/latest`, if any.
+/// The checkpoint a resume tries first: the one `out_dir/checkpoints/latest` names, else the
+/// newest committed one. Older committed checkpoints are the fallbacks
+/// ([`smp_burn::checkpoint::committed_checkpoints`]).
 pub fn latest_checkpoint(out_dir: &Path) -> Result<Option<PathBuf>> {
-    let latest = out_dir.join("checkpoints").join("latest");
-    match std::fs::read_to_string(&latest) {
-        Ok(name) => {
-            let dir = out_dir.join("checkpoints").join(name.trim());
-            if !dir.join("trainer_state.json").exists() {
-                return Err(LlamaError::checkpoint(
-                    &dir,
-                    "named by 'latest' but incomplete or missing",
-                ));
-            }
-            Ok(Some(dir))
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(LlamaError::io(latest, e)),
-    }
+    Ok(committed_checkpoints(&out_dir.join("checkpoints"))
+        .into_iter()
+        .next())
 }
 
-/// Writes a full checkpoint (fp32 weights, AdamW moments, data position, tokenizer) under
-/// `out_dir/checkpoints/step-NNNNNN`, atomically: everything is written to a temporary
-/// directory that is renamed into place, and only then does `latest` (itself replaced by a
-/// rename) point at it. A crash at any moment leaves the previous checkpoint usable.
-/// Collective: every rank gathers; rank 0 writes.
-pub fn save_checkpoint<B: AutodiffBackend>(
-    model: &LlamaEngine<B>,
+/// The small files a checkpoint carries beside the shards: the trainer's state (step, data
+/// position, model shape, configuration) and the tokenizer.
+fn checkpoint_extras(
     prepared: &Prepared,
     step: u64,
     position: DataPosition,
-    lead: bool,
-) -> Result<()> {
-    let weights = named_map(model.gather_named(StateKind::Weights)?)?;
-    let m1 = named_map(model.gather_named(StateKind::ExpAvg)?)?;
-    let m2 = named_map(model.gather_named(StateKind::ExpAvgSq)?)?;
-    if !lead {
-        return Ok(());
-    }
-    let root = prepared.config.out_dir.join("checkpoints");
-    std::fs::create_dir_all(&root).map_err(|e| LlamaError::io(&root, e))?;
-    let name = format!("step-{step:06}");
-    let tmp = root.join(format!(".{name}.partial"));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| LlamaError::io(&tmp, e))?;
-    let f32_shards = 4 << 30;
-    hf::save_hf_dir(
-        tmp.join("model"),
-        &prepared.model,
-        &weights,
-        SaveDType::F32,
-        f32_shards,
-        None,
-    )?;
-    hf::save_hf_dir(
-        tmp.join("optimizer/exp_avg"),
-        &prepared.model,
-        &m1,
-        SaveDType::F32,
-        f32_shards,
-        None,
-    )?;
-    hf::save_hf_dir(
-        tmp.join("optimizer/exp_avg_sq"),
-        &prepared.model,
-        &m2,
-        SaveDType::F32,
-        f32_shards,
-        None,
-    )?;
-    prepared.tokenizer.save(tmp.join("tokenizer.json"))?;
+) -> Result<Vec<(String, Vec<u8>)>> {
     let state = TrainerState {
         step,
         data_position: position,
         model: prepared.model.clone(),
         train: prepared.config.clone(),
     };
-    let state_path = tmp.join("trainer_state.json");
-    std::fs::write(
-        &state_path,
-        serde_json::to_string_pretty(&state).expect("serializable"),
-    )
-    .map_err(|e| LlamaError::io(&state_path, e))?;
-    let dest = root.join(&name);
-    if dest.exists() {
-        std::fs::remove_dir_all(&dest).map_err(|e| LlamaError::io(&dest, e))?;
-    }
-    std::fs::rename(&tmp, &dest).map_err(|e| LlamaError::io(&dest, e))?;
-    let latest_tmp = root.join(".latest.partial");
-    std::fs::write(&latest_tmp, &name).map_err(|e| LlamaError::io(&latest_tmp, e))?;
-    std::fs::rename(&latest_tmp, root.join("latest"))
-        .map_err(|e| LlamaError::io(root.join("latest"), e))?;
-    Ok(())
+    let tokenizer = prepared
+        .tokenizer
+        .inner()
+        .to_string(false)
+        .map_err(|e| LlamaError::Config(format!("serializing the tokenizer: {e}")))?;
+    Ok(vec![
+        (
+            "trainer_state.json".into(),
+            serde_json::to_vec_pretty(&state).expect("serializable"),
+        ),
+        ("tokenizer.json".into(), tokenizer.into_bytes()),
+    ])
 }
 
 #[cfg(test)]

@@ -20,4 +20,13 @@ pub enum SmpError {
     /// A CUDA driver, cuBLAS or NCCL call failed.
     #[error("CUDA: {0}")]
     Cuda(String),
+    /// A checkpoint could not be written or read: missing, damaged (a checksum that does not
+    /// match names the file and byte range), or not for this model.
+    #[error("checkpoint {}: {reason}", path.display())]
+    Checkpoint {
+        /// The checkpoint directory or file.
+        path: std::path::PathBuf,
+        /// What is wrong, with the values involved.
+        reason: String,
+    },
 }

@@ -1090,6 +1090,11 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         self.rank
     }
 
+    /// Ranks of the unit's shard group.
+    pub fn shard_degree(&self) -> usize {
+        self.degree
+    }
+
     /// Ids of the template's parameters, in layout order.
     pub fn param_ids(&self) -> Vec<ParamId> {
         struct Ids<'a>(&'a mut Vec<ParamId>);

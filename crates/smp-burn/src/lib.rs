@@ -13,6 +13,7 @@
 //! Burn's CUDA runtime for NCCL and cuBLAS).
 
 pub mod autodiff;
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 #[cfg(feature = "cuda")]

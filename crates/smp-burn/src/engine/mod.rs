@@ -71,6 +71,7 @@
 
 mod build;
 mod schedule;
+mod sharded;
 mod state;
 
 use std::ops::Range;
