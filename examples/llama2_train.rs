@@ -19,6 +19,8 @@
 
 use std::sync::Arc;
 
+use clap::Parser;
+
 use burn::backend::{Autodiff, NdArray};
 use collectives::{CommOptions, Communicator, RendezvousConfig, run_on_threads};
 use llama::LlamaError;
@@ -290,6 +292,14 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     install_panic_hook();
+    if std::env::args_os().nth(1).is_some_and(|a| a == "convert") {
+        let args = ConvertArgs::parse_from(std::env::args_os().skip(1));
+        if let Err(e) = convert(&args) {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let resolved = match TrainConfig::from_args(std::env::args_os()) {
         Ok(r) => r,
         // Help, or a flag clap rejects: printed as clap formats it, with clap's exit status.
@@ -303,6 +313,65 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
+}
+
+/// `llama2_train convert FROM TO`: a sharded checkpoint to a Hugging Face directory, or a
+/// Hugging Face directory to a sharded checkpoint, on the CPU, one tensor in memory at a time.
+#[derive(clap::Parser)]
+#[command(
+    name = "llama2_train convert",
+    about = "Convert a sharded checkpoint to a Hugging Face directory (FROM holds index.json, \
+             or is a run directory whose latest checkpoint is taken), or a Hugging Face \
+             directory to a sharded checkpoint (FROM holds config.json; TO is then a run \
+             directory that `llama2_train --resume --out-dir TO` continues from)"
+)]
+struct ConvertArgs {
+    /// A checkpoint (`.../checkpoints/step-NNNNNN`), a run directory, or a Hugging Face model.
+    from: std::path::PathBuf,
+    /// Where the converted copy goes.
+    to: std::path::PathBuf,
+    /// The exported weights' dtype (to Hugging Face): bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+}
+
+fn convert(args: &ConvertArgs) -> Result<(), DynError> {
+    use smp_burn::checkpoint::INDEX_FILE;
+    let started = std::time::Instant::now();
+    let checkpoint = if args.from.join(INDEX_FILE).exists() {
+        Some(args.from.clone())
+    } else {
+        train::latest_checkpoint(&args.from)?
+    };
+    match checkpoint {
+        Some(dir) => {
+            llama::convert::sharded_to_hf(&dir, &args.to, args.dtype.parse()?)?;
+            tracing::info!(
+                "wrote {} from {} in {:.1} s",
+                args.to.display(),
+                dir.display(),
+                started.elapsed().as_secs_f64()
+            );
+        }
+        None if args.from.join("config.json").exists() => {
+            llama::convert::hf_to_sharded(&args.from, &args.to)?;
+            tracing::info!(
+                "wrote {} from {} in {:.1} s",
+                args.to.join("checkpoints").display(),
+                args.from.display(),
+                started.elapsed().as_secs_f64()
+            );
+        }
+        None => {
+            return Err(format!(
+                "{}: neither a checkpoint (no {INDEX_FILE}), a run directory with one, nor a \
+                 Hugging Face model (no config.json)",
+                args.from.display()
+            )
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// The kernel settings: the environment's SMP_BURN_KERNELS, then the config file's

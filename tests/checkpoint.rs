@@ -195,3 +195,141 @@ fn keep_checkpoints_prunes_older_ones() {
     .expect_err("keep 0");
     assert!(e.contains("keep_checkpoints = 0"), "{e}");
 }
+
+/// `llama2_train convert`'s two directions: a sharded checkpoint to a Hugging Face directory
+/// gives exactly the run's own f32 export (and its tokenizer); that directory back to a sharded
+/// checkpoint holds the same weights with zero moments, and a run resumes from it.
+#[test]
+fn conversion_to_hugging_face_and_back() {
+    let fx = Fixture::new();
+    let run = fx.path("conv");
+    train(
+        TrainConfig {
+            export_hf: Some(run.join("hf")),
+            export_dtype: "f32".into(),
+            ..config(&fx, "conv", 2, 4)
+        },
+        2,
+    );
+    let ckpt = train::latest_checkpoint(&run)
+        .unwrap()
+        .expect("a checkpoint");
+    let converted = fx.path("converted");
+    llama::convert::sharded_to_hf(&ckpt, &converted, llama::hf::SaveDType::F32).unwrap();
+    let (a, b) = (
+        llama::hf::load_safetensors_dir(run.join("hf")).unwrap(),
+        llama::hf::load_safetensors_dir(&converted).unwrap(),
+    );
+    assert_eq!(a, b, "the converted checkpoint is the run's own export");
+    assert!(converted.join("tokenizer.json").exists());
+
+    let back = fx.path("back");
+    llama::convert::hf_to_sharded(&converted, &back).unwrap();
+    let tensors = checkpoint_tensors(&train::latest_checkpoint(&back).unwrap().unwrap());
+    for (name, t) in &b {
+        let (shape, w) = &tensors[&("weights".to_string(), name.clone())];
+        assert_eq!((shape, w), (&t.shape, &t.data), "{name}");
+        let (_, m) = &tensors[&("exp_avg".to_string(), name.clone())];
+        assert!(m.iter().all(|&v| v == 0.0), "{name}: moments start at zero");
+    }
+    let e = llama::convert::hf_to_sharded(&converted, &back).expect_err("a used directory");
+    assert!(e.to_string().contains("already holds checkpoints"), "{e}");
+    let resumed = train(
+        TrainConfig {
+            resume: true,
+            ..config(&fx, "back", 2, 4)
+        },
+        2,
+    );
+    assert_eq!(resumed.losses.len(), 2, "trained from step 0");
+}
+
+/// `llama2_train` killed with SIGKILL at random moments while it saves a checkpoint at every
+/// step (so that most kills land during a background write): after each kill the latest
+/// checkpoint opens and every block of it verifies, and the next start resumes from it. 30
+/// kills; `SMP_KILL_CASES=300` for a longer run.
+#[test]
+fn kills_during_saves_leave_a_readable_latest_checkpoint() {
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+    let fx = Fixture::new();
+    let base = fx.base_config("killed");
+    let dir = base.out_dir.clone();
+    let cases: usize = std::env::var("SMP_KILL_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    let command = |steps: u64| {
+        let mut cmd = Command::new(&smp_burn_tests::binaries().llama2_train);
+        cmd.args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "4"])
+            .args(["--checkpoint-interval", "1", "--keep-checkpoints", "3"])
+            .args([
+                "--eval-interval",
+                "0",
+                "--export-hf",
+                "none",
+                "--sample",
+                "none",
+            ])
+            .args(["--no-progress", "--resume", "--steps", &steps.to_string()])
+            .arg("--data")
+            .arg(&base.data)
+            .arg("--tokenizer")
+            .arg(base.tokenizer.as_ref().expect("the fixture's tokenizer"))
+            .arg("--out-dir")
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        cmd
+    };
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let (mut readable, mut last_step, mut during_write) = (0, 0u64, 0);
+    for case in 0..cases {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let mut child = command(1_000_000).spawn().expect("start llama2_train");
+        std::thread::sleep(Duration::from_millis(300 + rng % 1200));
+        child.kill().expect("SIGKILL");
+        child.wait().unwrap();
+        let partial = std::fs::read_dir(dir.join("checkpoints")).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(".step-"))
+        });
+        during_write += usize::from(partial);
+        let Some(latest) = train::latest_checkpoint(&dir).unwrap() else {
+            continue;
+        };
+        let ckpt = smp_burn::checkpoint::ShardedCheckpoint::open(&latest)
+            .unwrap_or_else(|e| panic!("kill {case}: the latest checkpoint does not open: {e}"));
+        ckpt.verify()
+            .unwrap_or_else(|e| panic!("kill {case}: the latest checkpoint is damaged: {e}"));
+        let state: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(latest.join("trainer_state.json")).unwrap())
+                .unwrap_or_else(|e| panic!("kill {case}: trainer_state.json: {e}"));
+        let step = state["step"].as_u64().expect("a step");
+        assert!(
+            step >= last_step,
+            "kill {case}: latest went back from {last_step} to {step}"
+        );
+        last_step = step;
+        readable += 1;
+    }
+    eprintln!(
+        "{cases} kills: {during_write} during a checkpoint write, {readable} found a checkpoint, \
+         all readable; the last at step {last_step}"
+    );
+    assert!(
+        readable >= cases / 2 && last_step > 0,
+        "only {readable} of {cases} kills found a checkpoint (last step {last_step})"
+    );
+    assert!(during_write > 0, "no kill landed during a checkpoint write");
+    // The run then finishes: two more steps from where it was killed.
+    let status = command(last_step + 2).status().unwrap();
+    assert!(status.success(), "the resumed run failed: {status}");
+    let latest = train::latest_checkpoint(&dir).unwrap().unwrap();
+    assert!(latest.ends_with(format!("step-{:06}", last_step + 2)));
+    // A kill between a commit and its pruning leaves one more; the next commit prunes it.
+    assert!(steps_of(&dir).len() <= 3, "{:?}", steps_of(&dir));
+}

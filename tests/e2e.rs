@@ -13,6 +13,7 @@ use llama::tokenizer::TextTokenizer;
 use llama::train::{self, Summary, TrainConfig};
 use smp_burn::fsdp::AdamW;
 
+use smp_burn_tests::binaries;
 use smp_burn_tests::trainer::{Fixture, checkpoint_tensors, train, try_train};
 
 /// A short run of the tiny model: 6 steps, 2 of warmup.
@@ -495,47 +496,12 @@ fn no_checkpoint_wins_over_an_interval() {
     );
 }
 
-/// `llama2_train`, built as `launcher_training.rs` builds it (the same cargo command, so that
-/// the two share one build), into the profile directory this test runs from.
-fn llama2_train_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("<target>/<profile>/deps/<test>");
-    let target_dir = profile_dir.parent().expect("target directory");
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["build", "-p", "collectives", "--bin", "smp-run"])
-        .args([
-            "-p",
-            "smp-llama",
-            "--example",
-            "llama2_train",
-            "-p",
-            "smp-burn",
-        ])
-        .env("CARGO_TARGET_DIR", target_dir);
-    match profile_dir.file_name().and_then(|n| n.to_str()) {
-        Some("release") => cmd.arg("--release"),
-        Some("debug") => &mut cmd,
-        Some(other) => cmd.args(["--profile", other]),
-        None => panic!("profile directory {}", profile_dir.display()),
-    };
-    let status = cmd.status().expect("run cargo build");
-    assert!(
-        status.success(),
-        "building llama2_train failed ({status}): {cmd:?}"
-    );
-    profile_dir.join("examples").join("llama2_train")
-}
-
 /// The binary's configuration end to end, without training: a config file's misspelt key
 /// stops it with a non-zero status and a message naming the file, the key and the valid key;
 /// a flag given with a file overrides the file's value and leaves its other keys.
 #[test]
 fn llama2_train_config_file_and_flags() {
-    let bin = llama2_train_binary();
+    let bin = binaries().llama2_train.clone();
     let dir = tempfile::tempdir().expect("tempdir");
     let bad = dir.path().join("bad.toml");
     std::fs::write(&bad, "model = \"tiny\"\n[parallel]\nprefetch_dept = 0\n").unwrap();

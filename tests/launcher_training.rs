@@ -1,77 +1,18 @@
 //! Real multi-process sharded training: `smp-run` launching two `llama2_train` processes that
 //! talk over TCP, against the same run on two thread-ranks of one process.
 //!
-//! The binaries belong to other packages (`collectives` and `smp-llama`), for which cargo sets no
-//! `CARGO_BIN_EXE_*` here, so the test builds them into this test's own target directory with
-//! `cargo build` (a no-op of a second when they are up to date; it also keeps them from going
-//! stale when only this package's tests are run). A failed build fails the test: nothing here is
-//! ever skipped.
+//! The binaries come from [`smp_burn_tests::binaries`].
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::OnceLock;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use llama::data::{DataSource, load_texts};
 use llama::metrics::read_metrics;
 
-/// `smp-run` and `llama2_train`, built (once per test process) into the profile directory this
-/// test runs from: `<target>/<profile>/deps/<this test>` gives `<target>/<profile>`.
-struct Binaries {
-    smp_run: PathBuf,
-    llama2_train: PathBuf,
-}
-
-fn binaries() -> &'static Binaries {
-    static BINARIES: OnceLock<Binaries> = OnceLock::new();
-    BINARIES.get_or_init(|| {
-        let exe = std::env::current_exe().expect("current_exe");
-        let deps = exe.parent().expect("the test binary's directory");
-        assert_eq!(
-            deps.file_name().and_then(|n| n.to_str()),
-            Some("deps"),
-            "expected the test binary under <target>/<profile>/deps: {}",
-            exe.display()
-        );
-        let profile_dir = deps.parent().expect("profile directory");
-        let target_dir = profile_dir.parent().expect("target directory");
-        let profile = profile_dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .expect("profile directory name");
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args(["build", "-p", "collectives", "--bin", "smp-run"])
-            .args(["-p", "smp-llama", "--example", "llama2_train"])
-            // Selected as `cargo test --workspace` selects it (with its default features), so
-            // that this build reuses the test build's smp-burn instead of compiling it again.
-            .args(["-p", "smp-burn"])
-            .env("CARGO_TARGET_DIR", target_dir);
-        // `release` and `debug` are spelled as cargo's own profiles; a custom profile by name.
-        match profile {
-            "release" => cmd.arg("--release"),
-            "debug" => &mut cmd,
-            other => cmd.args(["--profile", other]),
-        };
-        let t = Instant::now();
-        let status = cmd.status().expect("run cargo build");
-        assert!(
-            status.success(),
-            "building smp-run and llama2_train failed ({status}): {cmd:?}"
-        );
-        eprintln!("cargo build of the binaries: {:?}", t.elapsed());
-        let b = Binaries {
-            smp_run: profile_dir.join("smp-run"),
-            llama2_train: profile_dir.join("examples").join("llama2_train"),
-        };
-        for p in [&b.smp_run, &b.llama2_train] {
-            assert!(p.is_file(), "{} missing after cargo build", p.display());
-        }
-        b
-    })
-}
+use smp_burn_tests::binaries;
 
 /// Writes ~100 KB of the embedded corpus (past the Project Gutenberg header) to `dir`.
 fn corpus_file(dir: &Path) -> PathBuf {

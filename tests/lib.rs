@@ -1,6 +1,9 @@
 //! Shared helpers for the cross-crate tests: a tiny sharded Llama trained on threads-as-ranks.
 
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use burn::backend::Autodiff;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -12,6 +15,68 @@ use smp_burn::ParallelConfig;
 use smp_burn::engine::StateKind;
 use smp_burn::fsdp::AdamW;
 use smp_burn::mesh::Mesh;
+
+/// `smp-run` and `llama2_train`, built (once per test process) into the profile directory this
+/// test runs from: `<target>/<profile>/deps/<this test>` gives `<target>/<profile>`.
+pub struct Binaries {
+    /// The launcher.
+    pub smp_run: PathBuf,
+    /// The trainer.
+    pub llama2_train: PathBuf,
+}
+
+/// The binaries belong to other packages (`collectives` and `smp-llama`), for which cargo sets
+/// no `CARGO_BIN_EXE_*` in a test, so they are built into the test's own target directory with
+/// `cargo build` (a no-op of a second when they are up to date; it also keeps them from going
+/// stale when only this package's tests are run). A failed build fails the test.
+pub fn binaries() -> &'static Binaries {
+    static BINARIES: OnceLock<Binaries> = OnceLock::new();
+    BINARIES.get_or_init(|| {
+        let exe = std::env::current_exe().expect("current_exe");
+        let deps = exe.parent().expect("the test binary's directory");
+        assert_eq!(
+            deps.file_name().and_then(|n| n.to_str()),
+            Some("deps"),
+            "expected the test binary under <target>/<profile>/deps: {}",
+            exe.display()
+        );
+        let profile_dir = deps.parent().expect("profile directory");
+        let target_dir = profile_dir.parent().expect("target directory");
+        let profile = profile_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("profile directory name");
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "-p", "collectives", "--bin", "smp-run"])
+            .args(["-p", "smp-llama", "--example", "llama2_train"])
+            // Selected as `cargo test --workspace` selects it (with its default features), so
+            // that this build reuses the test build's smp-burn instead of compiling it again.
+            .args(["-p", "smp-burn"])
+            .env("CARGO_TARGET_DIR", target_dir);
+        // `release` and `debug` are spelled as cargo's own profiles; a custom profile by name.
+        match profile {
+            "release" => cmd.arg("--release"),
+            "debug" => &mut cmd,
+            other => cmd.args(["--profile", other]),
+        };
+        let t = Instant::now();
+        let status = cmd.status().expect("run cargo build");
+        assert!(
+            status.success(),
+            "building smp-run and llama2_train failed ({status}): {cmd:?}"
+        );
+        eprintln!("cargo build of the binaries: {:?}", t.elapsed());
+        let b = Binaries {
+            smp_run: profile_dir.join("smp-run"),
+            llama2_train: profile_dir.join("examples").join("llama2_train"),
+        };
+        for p in [&b.smp_run, &b.llama2_train] {
+            assert!(p.is_file(), "{} missing after cargo build", p.display());
+        }
+        b
+    })
+}
 
 /// The CPU backend the tests train on.
 pub type Cpu = Autodiff<NdArray<f32>>;

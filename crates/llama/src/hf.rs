@@ -5,10 +5,10 @@
 //! with `AutoModelForCausalLM.from_pretrained(dir)`; what is read is any Llama checkpoint in
 //! BF16, F16, F32 or F64, single-file or sharded.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -78,14 +78,6 @@ impl SaveDType {
             SaveDType::BF16 => "bfloat16",
             SaveDType::F16 => "float16",
             SaveDType::F32 => "float32",
-        }
-    }
-
-    fn safetensors_dtype(self) -> Dtype {
-        match self {
-            SaveDType::BF16 => Dtype::BF16,
-            SaveDType::F16 => Dtype::F16,
-            SaveDType::F32 => Dtype::F32,
         }
     }
 
@@ -541,9 +533,6 @@ pub fn save_hf_dir(
     tokenizer_json: Option<&Path>,
 ) -> Result<()> {
     let dir = dir.as_ref();
-    if tensors.is_empty() {
-        return Err(LlamaError::checkpoint(dir, "no tensors to save"));
-    }
     for (name, t) in tensors {
         if t.numel() != t.data.len() {
             return Err(LlamaError::checkpoint(
@@ -556,51 +545,285 @@ pub fn save_hf_dir(
             ));
         }
     }
-    if dir.is_file() {
-        return Err(LlamaError::checkpoint(
-            dir,
-            "exists and is a file, not a directory",
-        ));
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort_by_cached_key(|n| natural_key(n));
+    let specs = names
+        .iter()
+        .map(|n| ((*n).clone(), tensors[*n].shape.clone()))
+        .collect();
+    let mut export = HfExport::create(dir, cfg, specs, dtype, max_shard_bytes)?;
+    for n in names {
+        export.push(n, &tensors[n].data)?;
     }
-    if dir.is_dir() {
-        refuse_foreign_files(dir)?;
+    export.finish(tokenizer_json)
+}
+
+/// A Hugging Face directory written one tensor at a time, in an order fixed up front, so that
+/// no more than one tensor is ever held: how a sharded model is exported unit by unit, and a
+/// sharded checkpoint converted, without the whole model in memory. The layout is
+/// [`save_hf_dir`]'s (greedy shards of at most `max_shard_bytes` in the given order, the index
+/// when there are several); the directory is written beside `dir` and renamed into place by
+/// [`Self::finish`]. Dropped unfinished, it removes what it wrote.
+pub struct HfExport {
+    dir: PathBuf,
+    tmp: PathBuf,
+    cfg: LlamaConfig,
+    dtype: SaveDType,
+    specs: Vec<(String, Vec<usize>)>,
+    /// For each spec, its shard.
+    shard_of: Vec<usize>,
+    shard_names: Vec<String>,
+    next: usize,
+    open: Option<(usize, std::io::BufWriter<std::fs::File>)>,
+    weight_map: BTreeMap<String, String>,
+    total_size: u64,
+    finished: bool,
+}
+
+impl HfExport {
+    /// Starts an export to `dir` of the tensors `specs` (name, shape), which [`Self::push`]
+    /// must then receive in this order.
+    ///
+    /// # Errors
+    /// No tensors; `dir` is a file or holds files other than an export's; the temporary
+    /// directory cannot be made.
+    pub fn create(
+        dir: &Path,
+        cfg: &LlamaConfig,
+        specs: Vec<(String, Vec<usize>)>,
+        dtype: SaveDType,
+        max_shard_bytes: u64,
+    ) -> Result<Self> {
+        if specs.is_empty() {
+            return Err(LlamaError::checkpoint(dir, "no tensors to save"));
+        }
+        if dir.is_file() {
+            return Err(LlamaError::checkpoint(
+                dir,
+                "exists and is a file, not a directory",
+            ));
+        }
+        if dir.is_dir() {
+            refuse_foreign_files(dir)?;
+        }
+        let name = dir
+            .file_name()
+            .ok_or_else(|| LlamaError::checkpoint(dir, "export path has no directory name"))?
+            .to_string_lossy()
+            .into_owned();
+        let parent = match dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        std::fs::create_dir_all(&parent).map_err(|e| LlamaError::io(&parent, e))?;
+        let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| LlamaError::io(&tmp, e))?;
+        }
+        std::fs::create_dir(&tmp).map_err(|e| LlamaError::io(&tmp, e))?;
+        // Greedy packing in order, as transformers does: a tensor larger than the limit gets a
+        // shard of its own rather than an error.
+        let mut shard_of = Vec::with_capacity(specs.len());
+        let (mut shard, mut current) = (0usize, 0u64);
+        for (i, (_, shape)) in specs.iter().enumerate() {
+            let size = (shape.iter().product::<usize>() * dtype.size_bytes()) as u64;
+            if i > 0 && current + size > max_shard_bytes {
+                shard += 1;
+                current = 0;
+            }
+            current += size;
+            shard_of.push(shard);
+        }
+        let count = shard + 1;
+        let shard_names = (0..count)
+            .map(|i| {
+                if count == 1 {
+                    SINGLE_FILE.to_string()
+                } else {
+                    format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+                }
+            })
+            .collect();
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            tmp,
+            cfg: cfg.clone(),
+            dtype,
+            specs,
+            shard_of,
+            shard_names,
+            next: 0,
+            open: None,
+            weight_map: BTreeMap::new(),
+            total_size: 0,
+            finished: false,
+        })
     }
-    let name = dir
-        .file_name()
-        .ok_or_else(|| LlamaError::checkpoint(dir, "export path has no directory name"))?
-        .to_string_lossy()
-        .into_owned();
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent).map_err(|e| LlamaError::io(&parent, e))?;
-    let tag = std::process::id();
-    let tmp = parent.join(format!(".{name}.tmp-{tag}"));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| LlamaError::io(&tmp, e))?;
+
+    /// The next tensor's values (f32, converted to the export dtype).
+    ///
+    /// # Errors
+    /// Another tensor than the next one expected, a wrong number of values, a write failure.
+    pub fn push(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        use std::io::Write;
+        let Some((want, shape)) = self.specs.get(self.next) else {
+            return Err(LlamaError::checkpoint(
+                &self.dir,
+                format!("tensor {name} pushed after the last one"),
+            ));
+        };
+        let numel: usize = shape.iter().product();
+        if want != name || values.len() != numel {
+            return Err(LlamaError::checkpoint(
+                &self.dir,
+                format!(
+                    "expected tensor {want} ({numel} values) next, got {name} ({} values)",
+                    values.len()
+                ),
+            ));
+        }
+        let shard = self.shard_of[self.next];
+        if self.open.as_ref().is_none_or(|(s, _)| *s != shard) {
+            self.close_shard()?;
+            self.open = Some((shard, self.open_shard(shard)?));
+        }
+        let path = self.tmp.join(&self.shard_names[shard]);
+        let (_, out) = self.open.as_mut().expect("opened above");
+        for chunk in values.chunks(1 << 20) {
+            out.write_all(&self.dtype.encode(chunk))
+                .map_err(|e| LlamaError::io(&path, e))?;
+        }
+        self.weight_map
+            .insert(name.to_string(), self.shard_names[shard].clone());
+        self.total_size += (numel * self.dtype.size_bytes()) as u64;
+        self.next += 1;
+        Ok(())
     }
-    std::fs::create_dir(&tmp).map_err(|e| LlamaError::io(&tmp, e))?;
-    let written = write_export(&tmp, cfg, tensors, dtype, max_shard_bytes, tokenizer_json);
-    if let Err(e) = written {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
+
+    /// Creates shard `shard`'s file and writes its safetensors header.
+    fn open_shard(&self, shard: usize) -> Result<std::io::BufWriter<std::fs::File>> {
+        use std::io::Write;
+        let path = self.tmp.join(&self.shard_names[shard]);
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), json!({"format": "pt"}));
+        let mut at = 0u64;
+        for (i, (name, shape)) in self.specs.iter().enumerate() {
+            if self.shard_of[i] != shard {
+                continue;
+            }
+            let end = at + (shape.iter().product::<usize>() * self.dtype.size_bytes()) as u64;
+            let dtype = match self.dtype {
+                SaveDType::BF16 => "BF16",
+                SaveDType::F16 => "F16",
+                SaveDType::F32 => "F32",
+            };
+            header.insert(
+                name.clone(),
+                json!({"dtype": dtype, "shape": shape, "data_offsets": [at, end]}),
+            );
+            at = end;
+        }
+        let mut header = serde_json::to_vec(&header).expect("a JSON map serializes");
+        header.resize(header.len().div_ceil(8) * 8, b' ');
+        let file = std::fs::File::create(&path).map_err(|e| LlamaError::io(&path, e))?;
+        let mut out = std::io::BufWriter::with_capacity(8 << 20, file);
+        out.write_all(&(header.len() as u64).to_le_bytes())
+            .and_then(|()| out.write_all(&header))
+            .map_err(|e| LlamaError::io(&path, e))?;
+        Ok(out)
     }
-    if dir.exists() {
-        let old = parent.join(format!(".{name}.old-{tag}"));
-        if old.exists() {
+
+    fn close_shard(&mut self) -> Result<()> {
+        if let Some((shard, out)) = self.open.take() {
+            let path = self.tmp.join(&self.shard_names[shard]);
+            let file = out
+                .into_inner()
+                .map_err(|e| LlamaError::io(&path, e.into_error()))?;
+            file.sync_all().map_err(|e| LlamaError::io(&path, e))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the index, `config.json`, `generation_config.json` and, with `tokenizer_json`,
+    /// the tokenizer files, then renames the directory into place (replacing an earlier export,
+    /// which stays until the new one is complete).
+    ///
+    /// # Errors
+    /// Tensors not yet pushed; a write or rename failure.
+    pub fn finish(mut self, tokenizer_json: Option<&Path>) -> Result<()> {
+        if self.next != self.specs.len() {
+            return Err(LlamaError::checkpoint(
+                &self.dir,
+                format!(
+                    "finished after {} of {} tensors (next: {})",
+                    self.next,
+                    self.specs.len(),
+                    self.specs[self.next].0
+                ),
+            ));
+        }
+        self.close_shard()?;
+        let tmp = self.tmp.clone();
+        write_json(
+            &tmp.join("config.json"),
+            &hf_config_json(&self.cfg, self.dtype),
+        )?;
+        write_json(
+            &tmp.join("generation_config.json"),
+            &json!({"_from_model_config": true, "bos_token_id": 1, "eos_token_id": 2}),
+        )?;
+        if self.shard_names.len() > 1 {
+            write_json(
+                &tmp.join(INDEX_FILE),
+                &json!({"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}),
+            )?;
+        }
+        if let Some(src) = tokenizer_json {
+            let dst = tmp.join("tokenizer.json");
+            std::fs::copy(src, &dst).map_err(|e| LlamaError::io(src, e))?;
+            write_json(
+                &tmp.join("tokenizer_config.json"),
+                &json!({
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": "<s>",
+                    "eos_token": "</s>",
+                    "unk_token": "<unk>",
+                    "model_max_length": self.cfg.max_position_embeddings,
+                    "clean_up_tokenization_spaces": false,
+                }),
+            )?;
+        }
+        let dir = self.dir.clone();
+        let parent = tmp.parent().unwrap_or(Path::new(".")).to_path_buf();
+        let name = dir
+            .file_name()
+            .expect("checked at create")
+            .to_string_lossy();
+        if dir.exists() {
+            let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+            if old.exists() {
+                std::fs::remove_dir_all(&old).map_err(|e| LlamaError::io(&old, e))?;
+            }
+            std::fs::rename(&dir, &old).map_err(|e| LlamaError::io(&dir, e))?;
+            if let Err(e) = std::fs::rename(&tmp, &dir) {
+                let _ = std::fs::rename(&old, &dir);
+                return Err(LlamaError::io(&dir, e));
+            }
             std::fs::remove_dir_all(&old).map_err(|e| LlamaError::io(&old, e))?;
+        } else {
+            std::fs::rename(&tmp, &dir).map_err(|e| LlamaError::io(&dir, e))?;
         }
-        std::fs::rename(dir, &old).map_err(|e| LlamaError::io(dir, e))?;
-        if let Err(e) = std::fs::rename(&tmp, dir) {
-            let _ = std::fs::rename(&old, dir);
-            return Err(LlamaError::io(dir, e));
-        }
-        std::fs::remove_dir_all(&old).map_err(|e| LlamaError::io(&old, e))?;
-    } else {
-        std::fs::rename(&tmp, dir).map_err(|e| LlamaError::io(dir, e))?;
+        self.finished = true;
+        Ok(())
     }
-    Ok(())
+}
+
+impl Drop for HfExport {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_dir_all(&self.tmp);
+        }
+    }
 }
 
 fn is_export_file(name: &str) -> bool {
@@ -633,99 +856,6 @@ fn refuse_foreign_files(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn write_export(
-    dir: &Path,
-    cfg: &LlamaConfig,
-    tensors: &TensorMap,
-    dtype: SaveDType,
-    max_shard_bytes: u64,
-    tokenizer_json: Option<&Path>,
-) -> Result<()> {
-    write_json(&dir.join("config.json"), &hf_config_json(cfg, dtype))?;
-    write_json(
-        &dir.join("generation_config.json"),
-        &json!({"_from_model_config": true, "bos_token_id": 1, "eos_token_id": 2}),
-    )?;
-
-    let mut names: Vec<&String> = tensors.keys().collect();
-    names.sort_by_cached_key(|n| natural_key(n));
-    let bytes_of = |n: &str| (tensors[n].data.len() * dtype.size_bytes()) as u64;
-    // Greedy packing in order, as transformers does: a tensor larger than the limit gets a
-    // shard of its own rather than an error.
-    let mut shards: Vec<Vec<&String>> = vec![Vec::new()];
-    let mut current = 0u64;
-    for n in names {
-        let size = bytes_of(n);
-        let last = shards.last_mut().expect("never empty");
-        if !last.is_empty() && current + size > max_shard_bytes {
-            shards.push(vec![n]);
-            current = size;
-        } else {
-            last.push(n);
-            current += size;
-        }
-    }
-    let count = shards.len();
-    let file_name = |i: usize| {
-        if count == 1 {
-            SINGLE_FILE.to_string()
-        } else {
-            format!("model-{:05}-of-{count:05}.safetensors", i + 1)
-        }
-    };
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let mut weight_map = BTreeMap::new();
-    let mut total_size = 0u64;
-    for (i, shard) in shards.iter().enumerate() {
-        let file = file_name(i);
-        let path = dir.join(&file);
-        let encoded: Vec<(&String, Vec<u8>)> = shard
-            .iter()
-            .map(|n| (*n, dtype.encode(&tensors[*n].data)))
-            .collect();
-        let views = encoded
-            .iter()
-            .map(|(n, bytes)| {
-                let view =
-                    TensorView::new(dtype.safetensors_dtype(), tensors[*n].shape.clone(), bytes)
-                        .map_err(|e| LlamaError::checkpoint(&path, format!("tensor {n}: {e}")))?;
-                Ok((n.as_str(), view))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        safetensors::serialize_to_file(views, Some(metadata.clone()), &path)
-            .map_err(|e| LlamaError::checkpoint(&path, format!("writing: {e}")))?;
-        sync_file(&path)?;
-        for (n, bytes) in &encoded {
-            weight_map.insert((*n).clone(), file.clone());
-            total_size += bytes.len() as u64;
-        }
-    }
-    if count > 1 {
-        write_json(
-            &dir.join(INDEX_FILE),
-            &json!({"metadata": {"total_size": total_size}, "weight_map": weight_map}),
-        )?;
-    }
-
-    if let Some(src) = tokenizer_json {
-        let dst = dir.join("tokenizer.json");
-        std::fs::copy(src, &dst).map_err(|e| LlamaError::io(src, e))?;
-        write_json(
-            &dir.join("tokenizer_config.json"),
-            &json!({
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "unk_token": "<unk>",
-                "model_max_length": cfg.max_position_embeddings,
-                "clean_up_tokenization_spaces": false,
-            }),
-        )?;
-    }
-    Ok(())
-}
-
-/// Pretty JSON with sorted keys and a final newline, like `transformers`' `save_pretrained`.
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let mut text = serde_json::to_string_pretty(value).expect("JSON values always serialize");
     text.push('\n');
@@ -742,7 +872,7 @@ fn sync_file(path: &Path) -> Result<()> {
 }
 
 /// A sort key comparing digit runs by value.
-fn natural_key(name: &str) -> Vec<(u64, String)> {
+pub(crate) fn natural_key(name: &str) -> Vec<(u64, String)> {
     let mut key = Vec::new();
     let mut rest = name;
     while !rest.is_empty() {
@@ -995,7 +1125,7 @@ mod tests {
         assert!(err.contains("model.safetensors"), "{err}");
 
         let data: Vec<u8> = [1i32, 2, 3].iter().flat_map(|v| v.to_le_bytes()).collect();
-        let view = TensorView::new(Dtype::I32, vec![3], &data).unwrap();
+        let view = safetensors::tensor::TensorView::new(Dtype::I32, vec![3], &data).unwrap();
         safetensors::serialize_to_file([("model.counts", view)], None, &file).unwrap();
         let err = load_safetensors_dir(&dir).unwrap_err().to_string();
         assert!(

@@ -2,6 +2,7 @@
 //! behind the `llama2_train` example.
 
 pub mod config;
+pub mod convert;
 pub mod data;
 pub mod error;
 pub mod guard;

@@ -22,7 +22,7 @@ use smp_burn::{KernelConfig, ParallelConfig, ParallelDims, Precision};
 use crate::config::LlamaConfig;
 use crate::data::{Batch, DataPosition, TokenDataset};
 use crate::error::{LlamaError, Result};
-use crate::hf::{self, HostTensor, SaveDType, TensorMap};
+use crate::hf::{self, SaveDType};
 use crate::metrics::{MetricsLog, StepMetrics, write_loss_plot_svg};
 use crate::parallel::{Build, LlamaEngine, build, seeded_init};
 use crate::tokenizer::TextTokenizer;
@@ -1755,13 +1755,6 @@ pub fn generate<B: AutodiffBackend>(
     Ok(text)
 }
 
-fn named_map(items: Vec<(String, Vec<usize>, Vec<f32>)>) -> Result<TensorMap> {
-    items
-        .into_iter()
-        .map(|(n, shape, data)| Ok((n, HostTensor::new(shape, data)?)))
-        .collect()
-}
-
 /// The model, step and data position of the newest intact checkpoint in the run's directory;
 /// `None` when there is none to resume. A checkpoint any rank finds damaged (a checksum, a
 /// missing or truncated file) is skipped for the next older one, with a warning naming it and
@@ -1893,21 +1886,69 @@ pub fn export_hf<B: AutodiffBackend>(
     dir: &Path,
     lead: bool,
 ) -> Result<()> {
-    let weights = named_map(model.gather_named(StateKind::Weights)?)?;
+    let dtype: SaveDType = prepared.config.export_dtype.parse()?;
+    // Rank 0 writes; every rank takes part in gathering one unit at a time. A failure on rank 0
+    // is kept until the gathers are done, so that no rank is left waiting in one.
+    let mut failure: Option<LlamaError> = None;
+    let mut export = None;
+    let mut staged = None;
+    if lead {
+        let specs = model
+            .plan()
+            .into_iter()
+            .map(|p| (p.name, p.shape))
+            .collect();
+        let started = (|| -> Result<_> {
+            let parent = dir.parent().unwrap_or(Path::new("."));
+            std::fs::create_dir_all(parent).map_err(|e| LlamaError::io(parent, e))?;
+            // The tokenizer is staged beside the export (same file system), removed with `tmp`.
+            let tmp = tempfile::Builder::new()
+                .prefix(".smp-export-")
+                .tempdir_in(parent)
+                .map_err(|e| LlamaError::io(parent, e))?;
+            prepared.tokenizer.save(tmp.path().join("tokenizer.json"))?;
+            let export = hf::HfExport::create(dir, &prepared.model, specs, dtype, 2 << 30)?;
+            Ok((tmp, export))
+        })();
+        match started {
+            Ok((tmp, e)) => {
+                staged = Some(tmp);
+                export = Some(e);
+            }
+            Err(e) => failure = Some(e),
+        }
+    }
+    model.for_each_gathered(StateKind::Weights, |name, _, values| {
+        if let Some(e) = export.as_mut()
+            && failure.is_none()
+            && let Err(err) = e.push(name, &values)
+        {
+            failure = Some(err);
+        }
+        Ok(())
+    })?;
+    let mut failed = [u8::from(failure.is_some())];
+    model
+        .mesh()
+        .world()
+        .all_reduce(&mut failed, ReduceOp::Max)
+        .map_err(smp_burn::SmpError::from)?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    if failed[0] != 0 {
+        return Err(LlamaError::Config(format!(
+            "the export to {} failed on rank 0 (see its log)",
+            dir.display()
+        )));
+    }
     if !lead {
         return Ok(());
     }
-    let dtype: SaveDType = prepared.config.export_dtype.parse()?;
-    let parent = dir.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(|e| LlamaError::io(parent, e))?;
-    // The tokenizer is staged beside the export (same file system) and removed with `tmp`.
-    let tmp = tempfile::Builder::new()
-        .prefix(".smp-export-")
-        .tempdir_in(parent)
-        .map_err(|e| LlamaError::io(parent, e))?;
-    let tok = tmp.path().join("tokenizer.json");
-    prepared.tokenizer.save(&tok)?;
-    hf::save_hf_dir(dir, &prepared.model, &weights, dtype, 2 << 30, Some(&tok))?;
+    let tok = staged.as_ref().map(|t| t.path().join("tokenizer.json"));
+    export
+        .expect("made when nothing failed")
+        .finish(tok.as_deref())?;
     tracing::info!("exported a Hugging Face checkpoint to {}", dir.display());
     Ok(())
 }

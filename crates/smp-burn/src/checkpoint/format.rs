@@ -119,11 +119,27 @@ pub struct FileEntry {
 /// kind, named `<unit>.<kind>`. On CUDA the copies are queued on the compute stream behind the
 /// step that produced the values (into pinned memory, so training does not wait for them and
 /// the next optimizer step cannot overtake them); elsewhere the values are read when written.
-#[derive(Debug)]
 pub struct ShardSnapshot {
     /// The file it goes to.
     pub file: String,
-    tensors: Vec<(String, usize, PendingRead)>,
+    tensors: Vec<(String, usize, Values)>,
+}
+
+/// A snapshot tensor's values: a device read under way, or made when written (a converter
+/// reading another file: one tensor in memory at a time).
+enum Values {
+    Read(PendingRead),
+    Lazy(Box<dyn FnOnce() -> Result<Vec<f32>, SmpError> + Send>),
+}
+
+impl std::fmt::Debug for ShardSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardSnapshot")
+            .field("file", &self.file)
+            .field("tensors", &self.tensors.len())
+            .field("bytes", &self.bytes())
+            .finish()
+    }
 }
 
 impl ShardSnapshot {
@@ -141,8 +157,19 @@ impl ShardSnapshot {
     /// The device cannot be reached.
     pub fn push<B: Backend>(&mut self, name: String, values: Tensor<B, 1>) -> Result<(), SmpError> {
         let len = values.dims()[0];
-        self.tensors.push((name, len, read_later(values)?));
+        self.tensors
+            .push((name, len, Values::Read(read_later(values)?)));
         Ok(())
+    }
+
+    /// Adds tensor `name` of `len` values, made by `make` when the file is written.
+    pub fn push_with(
+        &mut self,
+        name: String,
+        len: usize,
+        make: impl FnOnce() -> Result<Vec<f32>, SmpError> + Send + 'static,
+    ) {
+        self.tensors.push((name, len, Values::Lazy(Box::new(make))));
     }
 
     /// Bytes the file's tensors hold.
@@ -188,7 +215,10 @@ impl ShardSnapshot {
         out.write_all(&header).map_err(fail)?;
         for (name, len, pending) in self.tensors {
             // One tensor's values at a time in pageable memory.
-            let values = pending.wait()?;
+            let values = match pending {
+                Values::Read(read) => read.wait()?,
+                Values::Lazy(make) => make()?,
+            };
             if values.len() != len {
                 return Err(SmpError::Checkpoint {
                     path: path.clone(),

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::backend::AutodiffBackend;
 use collectives::{Communicator, CommunicatorExt, ReduceOp};
 
-use super::format::{DEFAULT_BLOCK_BYTES, FileEntry, INDEX_FILE, Index};
+use super::format::{DEFAULT_BLOCK_BYTES, FileEntry, INDEX_FILE, Index, ShardSnapshot};
 use crate::engine::{BlockUnit, Engine, HeadUnit, StemUnit};
 use crate::error::SmpError;
 
@@ -120,8 +120,37 @@ impl Checkpointer {
         let t0 = Instant::now();
         self.finish()?;
         let waited = t0.elapsed();
+        let t1 = Instant::now();
+        let snapshot = engine.snapshot_shards()?;
+        let blocked = t1.elapsed();
+        let index = (self.world.rank() == 0).then(|| engine.checkpoint_index(BTreeMap::new()));
+        let mut started = self.save_prepared(step, snapshot, index, extra)?;
+        started.waited = waited;
+        started.blocked = blocked;
+        Ok(started)
+    }
+
+    /// [`Self::save`] of a snapshot and index made by the caller (a converter writing a
+    /// checkpoint from other files): `index` (without its files) on rank 0, `None` elsewhere;
+    /// `snapshot` on the ranks that write one. Collective.
+    ///
+    /// # Errors
+    /// As [`Self::save`]; rank 0 without an index.
+    pub fn save_prepared(
+        &mut self,
+        step: u64,
+        snapshot: Option<ShardSnapshot>,
+        index: Option<Index>,
+        extra: Vec<(String, Vec<u8>)>,
+    ) -> Result<SaveStarted, SmpError> {
+        let t0 = Instant::now();
+        self.finish()?;
+        let waited = t0.elapsed();
         let lead = self.world.rank() == 0;
         let tmp = self.root.join(format!(".step-{step:06}.partial"));
+        if lead && index.is_none() {
+            return Err(self.error(&tmp, "rank 0 saves without an index"));
+        }
         // Rank 0 clears what a crashed run left (partial directories are never read) and makes
         // the directory before anyone writes into it.
         let prepared = if lead { self.prepare(&tmp).err() } else { None };
@@ -132,11 +161,7 @@ impl Checkpointer {
         if !ok {
             return Err(self.error(&tmp, "rank 0 could not prepare the directory (see its log)"));
         }
-        let t1 = Instant::now();
-        let snapshot = engine.snapshot_shards()?;
-        let blocked = t1.elapsed();
-        let bytes = snapshot.as_ref().map_or(0, |s| s.bytes());
-        let index = lead.then(|| engine.checkpoint_index(BTreeMap::new()));
+        let bytes = snapshot.as_ref().map_or(0, ShardSnapshot::bytes);
         let (dir, block_bytes) = (tmp.clone(), self.block_bytes);
         let writer = std::thread::Builder::new()
             .name(format!("checkpoint-{step}"))
@@ -161,7 +186,7 @@ impl Checkpointer {
         });
         Ok(SaveStarted {
             waited,
-            blocked,
+            blocked: Duration::ZERO,
             bytes,
         })
     }

@@ -135,37 +135,54 @@ where
 
     /// Every parameter's (or AdamW moment's) full fp32 values by name, in plan order. Split
     /// parameters' slices are gathered over the tensor-parallel group and joined, so the
-    /// result is the same whatever the layout. Collective: every rank must call it.
+    /// result is the same whatever the layout. Collective: every rank must call it. Holds the
+    /// whole model on every rank: [`Self::for_each_gathered`] holds one unit at a time.
     ///
     /// # Errors
     /// A failed collective; moments under another optimizer than AdamW.
     pub fn gather_named(&self, which: StateKind) -> Result<NamedTensors, SmpError> {
         let mut out = Vec::new();
-        self.gather_unit(&self.stem, which, &mut out)?;
-        for b in &self.blocks {
-            self.gather_unit(b, which, &mut out)?;
-        }
-        self.gather_unit(&self.head, which, &mut out)?;
-        if let Some(t) = &self.tied {
-            self.gather_unit(t, which, &mut out)?;
-        }
+        self.for_each_gathered(which, |name, shape, values| {
+            out.push((name.to_string(), shape.to_vec(), values));
+            Ok(())
+        })?;
         Ok(out)
+    }
+
+    /// Calls `f(name, full shape, full fp32 values)` for every parameter (or AdamW moment) in
+    /// plan order, gathering one unit at a time: no rank holds more than its shards and one
+    /// unit's full values (an export of a model larger than any host's memory). Collective:
+    /// every rank calls it and sees every tensor; typically one rank writes them.
+    ///
+    /// # Errors
+    /// A failed collective; moments under another optimizer than AdamW; what `f` returns.
+    pub fn for_each_gathered(
+        &self,
+        which: StateKind,
+        mut f: impl FnMut(&str, &[usize], Vec<f32>) -> Result<(), SmpError>,
+    ) -> Result<(), SmpError> {
+        self.gather_unit(&self.stem, which, &mut f)?;
+        for b in &self.blocks {
+            self.gather_unit(b, which, &mut f)?;
+        }
+        self.gather_unit(&self.head, which, &mut f)?;
+        if let Some(t) = &self.tied {
+            self.gather_unit(t, which, &mut f)?;
+        }
+        Ok(())
     }
 
     fn gather_unit<M: Module<B>>(
         &self,
         unit: &Sharded<B, M>,
         which: StateKind,
-        out: &mut NamedTensors,
+        f: &mut impl FnMut(&str, &[usize], Vec<f32>) -> Result<(), SmpError>,
     ) -> Result<(), SmpError> {
         let items = unit.unit.gather_full_f32(self.mesh.fsdp(), which)?;
         let items = self.join_tp_slices(&unit.meta, items)?;
-        out.extend(
-            items
-                .into_iter()
-                .zip(&unit.meta)
-                .map(|((_, values), m)| (m.name.clone(), m.full_shape.clone(), values)),
-        );
+        for ((_, values), m) in items.into_iter().zip(&unit.meta) {
+            f(&m.name, &m.full_shape, values)?;
+        }
         Ok(())
     }
 
