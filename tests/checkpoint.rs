@@ -333,3 +333,76 @@ fn kills_during_saves_leave_a_readable_latest_checkpoint() {
     // A kill between a commit and its pruning leaves one more; the next commit prunes it.
     assert!(steps_of(&dir).len() <= 3, "{:?}", steps_of(&dir));
 }
+
+/// What a rank holds and reads. Saving, each of 4 ranks snapshots its own shards only (at least
+/// a quarter of the model's 12 bytes per parameter, and no more than the state it holds: no
+/// unit is gathered). Loading into 2 ranks, each reads about half of the files' bytes (its own
+/// ranges, rounded out to 4 KiB checksum blocks), and the two layouts hold the same values.
+#[test]
+fn ranks_write_and_read_only_their_shards() {
+    use collectives::{CommOptions, run_on_threads};
+    use llama::LlamaConfig;
+    use llama::parallel::{Build, build, seeded_init};
+    use smp_burn::checkpoint::{Checkpointer, ShardedCheckpoint};
+    use smp_burn::engine::StateKind;
+    use smp_burn::mesh::Mesh;
+    use smp_burn::{ParallelConfig, SmpError};
+    use smp_burn_tests::Cpu;
+
+    let model = LlamaConfig::preset("small").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_path_buf();
+    let engine = |world: std::sync::Arc<dyn collectives::Communicator>| {
+        let mesh = Mesh::over_host(world, &ParallelConfig::default()).unwrap();
+        let how = Build {
+            init: seeded_init(7),
+            adamw: AdamW::default(),
+            max_grad_norm: None,
+        };
+        build::<Cpu>(&model, &mesh, &Default::default(), how).unwrap()
+    };
+    let saved = run_on_threads(4, CommOptions::default(), |world| {
+        let engine = engine(world.clone());
+        let snapshot = engine
+            .snapshot_shards()
+            .unwrap()
+            .expect("every rank writes");
+        let quarter = model.num_parameters() * 12 / 4;
+        assert!(
+            snapshot.bytes() >= quarter && snapshot.bytes() <= engine.state_bytes(),
+            "snapshot {} bytes: a quarter of the model is {quarter}, the rank holds {}",
+            snapshot.bytes(),
+            engine.state_bytes()
+        );
+        let mut saver = Checkpointer::new(&root, world).block_bytes(4096);
+        saver.save(&engine, 1, Vec::new()).unwrap();
+        saver.finish().unwrap().expect("committed");
+        engine.gather_named(StateKind::Weights).unwrap()
+    });
+    let ckpt_dir = root.join("step-000001");
+    let total: u64 = ShardedCheckpoint::open(&ckpt_dir)
+        .unwrap()
+        .index()
+        .files
+        .values()
+        .map(|f| f.bytes)
+        .sum();
+    let loaded = run_on_threads(2, CommOptions::default(), |world| {
+        let mut engine = engine(world);
+        let ckpt = ShardedCheckpoint::open(&ckpt_dir).unwrap();
+        engine.load_checkpoint(&ckpt)?;
+        let read = ckpt.bytes_read();
+        assert!(
+            read as f64 <= total as f64 * 0.6 && read as f64 >= total as f64 * 0.4,
+            "a rank of 2 read {read} of {total} bytes"
+        );
+        engine.gather_named(StateKind::Weights)
+    });
+    for got in loaded {
+        let got: Result<_, SmpError> = got;
+        assert!(
+            got.unwrap() == saved[0],
+            "the 2-rank load holds the saved weights"
+        );
+    }
+}

@@ -1801,7 +1801,7 @@ fn resume_from_checkpoint<B: AutodiffBackend>(
                 for kind in [StateKind::ExpAvg, StateKind::ExpAvgSq] {
                     model.load_state(kind, &ckpt.source(kind))?;
                 }
-                Ok(model)
+                Ok((model, ckpt.bytes_read()))
             });
         // Every rank resumes from the same checkpoint: one rank's damaged file sends all back.
         let mut damaged = [u8::from(loaded.is_err())];
@@ -1809,12 +1809,18 @@ fn resume_from_checkpoint<B: AutodiffBackend>(
             .all_reduce(&mut damaged, ReduceOp::Max)
             .map_err(smp_burn::SmpError::from)?;
         match loaded {
-            Ok(mut model) if damaged[0] == 0 => {
-                if !skipped.is_empty() && mesh.rank() == 0 {
-                    tracing::warn!(
-                        "resumed from {} (step {}), the newest intact checkpoint",
+            Ok((mut model, bytes)) if damaged[0] == 0 => {
+                if mesh.rank() == 0 {
+                    let newest = if skipped.is_empty() {
+                        ""
+                    } else {
+                        ", the newest intact checkpoint"
+                    };
+                    tracing::info!(
+                        "resumed from {} (step {}{newest}); rank 0 read {:.2} GB of it",
                         dir.display(),
-                        state.step
+                        state.step,
+                        bytes as f64 / 1e9
                     );
                 }
                 model.set_optimizer_steps(state.step);

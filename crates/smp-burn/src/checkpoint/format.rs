@@ -300,6 +300,8 @@ pub struct ShardedCheckpoint {
     dir: PathBuf,
     index: Index,
     cache: Mutex<BlockCache>,
+    /// Bytes read from its files so far (each block once while cached).
+    bytes_read: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
@@ -370,6 +372,7 @@ impl ShardedCheckpoint {
             dir: dir.to_path_buf(),
             index,
             cache: Mutex::new(BlockCache::default()),
+            bytes_read: Default::default(),
         })
     }
 
@@ -381,6 +384,12 @@ impl ShardedCheckpoint {
     /// The index.
     pub fn index(&self) -> &Index {
         &self.index
+    }
+
+    /// Bytes read from the checkpoint's files so far: what a rank's load cost in I/O (its own
+    /// shards, rounded out to whole checksum blocks).
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Reads every block of every file and checks its checksum.
@@ -550,6 +559,8 @@ impl ShardedCheckpoint {
         let file = cache.files.get_mut(name).expect("inserted above");
         file.seek(SeekFrom::Start(start)).map_err(io)?;
         file.read_exact(&mut data).map_err(io)?;
+        self.bytes_read
+            .fetch_add(len, std::sync::atomic::Ordering::Relaxed);
         let crc = crc32fast::hash(&data);
         let recorded = entry.block_crc32[block as usize];
         if crc != recorded {
