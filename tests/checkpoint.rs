@@ -406,3 +406,110 @@ fn ranks_write_and_read_only_their_shards() {
         );
     }
 }
+
+/// Llama 2 70B's widths (hidden 8192, MLP 28672, 64 heads, 8 key/value heads, vocabulary 32000)
+/// with `SMP_70B_LAYERS` layers (default 1; 1.38B parameters, 16.6 GB of weights and moments)
+/// save from 4 ranks with full sharding and load as 2 ranks with tensor parallelism 2, without
+/// training: each rank snapshots exactly its own shards and reads about its share of the
+/// files. Not in CI (it needs about 20 GB of memory and minutes of disk I/O):
+/// `cargo test --release -p smp-burn-tests --test all -- --ignored checkpoint::seventy_b`.
+#[test]
+#[ignore = "20 GB of memory and minutes of I/O; run by name"]
+fn seventy_b_widths_save_and_load_within_their_shards() {
+    use collectives::{CommOptions, run_on_threads};
+    use llama::LlamaConfig;
+    use llama::parallel::{Build, build, seeded_init};
+    use smp_burn::ParallelConfig;
+    use smp_burn::checkpoint::{Checkpointer, ShardedCheckpoint};
+    use smp_burn::mesh::Mesh;
+    use smp_burn_tests::Cpu;
+
+    let layers = std::env::var("SMP_70B_LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let model = LlamaConfig {
+        num_hidden_layers: layers,
+        ..LlamaConfig::preset("70b").unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_path_buf();
+    let engine = |world: std::sync::Arc<dyn collectives::Communicator>, tp: usize| {
+        let parallel = ParallelConfig {
+            tensor_parallel_degree: tp,
+            ..ParallelConfig::default()
+        };
+        let mesh = Mesh::over_host(world, &parallel).unwrap();
+        let how = Build {
+            init: seeded_init(7),
+            adamw: AdamW::default(),
+            max_grad_norm: None,
+        };
+        build::<Cpu>(&model, &mesh, &Default::default(), how).unwrap()
+    };
+    let t = std::time::Instant::now();
+    let written = run_on_threads(4, CommOptions::default(), |world| {
+        let engine = engine(world.clone(), 1);
+        let mut saver = Checkpointer::new(&root, world);
+        let started = saver.save(&engine, 1, Vec::new()).unwrap();
+        saver.finish().unwrap().expect("committed");
+        (started.bytes, engine.state_bytes())
+    });
+    let saved = t.elapsed();
+    let total: u64 = ShardedCheckpoint::open(&root.join("step-000001"))
+        .unwrap()
+        .index()
+        .files
+        .values()
+        .map(|f| f.bytes)
+        .sum();
+    let t = std::time::Instant::now();
+    let read = run_on_threads(2, CommOptions::default(), |world| {
+        let mut engine = engine(world, 2);
+        let ckpt = ShardedCheckpoint::open(&root.join("step-000001")).unwrap();
+        engine.load_checkpoint(&ckpt).unwrap();
+        ckpt.bytes_read()
+    });
+    eprintln!(
+        "70B widths, {layers} layer(s): {:.2}B parameters, {:.1} GB of files; per rank written \
+         {:?} (state held {:?}) in {:.0} s; per rank read as TP 2 {:?} in {:.0} s",
+        model.num_parameters() as f64 / 1e9,
+        total as f64 / 1e9,
+        written.iter().map(|w| w.0).collect::<Vec<_>>(),
+        written.iter().map(|w| w.1).collect::<Vec<_>>(),
+        saved.as_secs_f64(),
+        read,
+        t.elapsed().as_secs_f64()
+    );
+    for (bytes, held) in written {
+        assert!(bytes <= held && bytes * 4 >= model.num_parameters() * 12);
+    }
+    for r in read {
+        assert!(
+            r as f64 <= total as f64 * 0.75,
+            "a rank of 2 read {r} of {total} bytes"
+        );
+    }
+}
+
+/// A run directory holding only checkpoints of the earlier, unsharded format is not resumed as
+/// if empty (that would start afresh over it): the error names the directory and the way out.
+#[test]
+fn an_earlier_format_checkpoint_is_named_not_ignored() {
+    let fx = Fixture::new();
+    let old = fx.path("old").join("checkpoints").join("step-000004");
+    std::fs::create_dir_all(old.join("model")).unwrap();
+    std::fs::write(old.join("trainer_state.json"), "{}").unwrap();
+    let e = try_train(
+        TrainConfig {
+            resume: true,
+            ..config(&fx, "old", 6, 4)
+        },
+        1,
+    )
+    .expect_err("an earlier format");
+    assert!(
+        e.contains("step-000004") && e.contains("earlier version") && e.contains("convert"),
+        "{e}"
+    );
+}

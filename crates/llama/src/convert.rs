@@ -65,7 +65,15 @@ pub fn hf_to_sharded(hf_dir: &Path, out_dir: &Path) -> Result<()> {
         &reader.shapes(),
         hf_dir,
     )?;
-    let tokenizer = hf_dir.join("tokenizer.json");
+    // A Hugging Face model carries its tokenizer; an earlier version's checkpoint kept it one
+    // level up, beside `model/`.
+    let tokenizer = [
+        hf_dir.join("tokenizer.json"),
+        hf_dir.join("../tokenizer.json"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .unwrap_or_else(|| hf_dir.join("tokenizer.json"));
     let tokenizer = std::fs::read(&tokenizer).map_err(|e| LlamaError::io(&tokenizer, e))?;
     let root = out_dir.join("checkpoints");
     if !smp_burn::checkpoint::committed_checkpoints(&root).is_empty() {

@@ -2020,6 +2020,25 @@ impl ResumeState {
 /// nothing to resume starts afresh, with a warning (a preempted job's first start does that).
 fn check_output_is_free(config: &TrainConfig) -> Result<()> {
     if config.resume {
+        let root = config.out_dir.join("checkpoints");
+        let older_format = std::fs::read_dir(&root).ok().and_then(|entries| {
+            entries.flatten().map(|e| e.path()).find(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+                    && p.join("trainer_state.json").exists()
+                    && !p.join(smp_burn::checkpoint::INDEX_FILE).exists()
+            })
+        });
+        if let Some(old) = older_format
+            && latest_checkpoint(&config.out_dir)?.is_none()
+        {
+            return Err(LlamaError::checkpoint(
+                &old,
+                "was written by an earlier version (Hugging Face layout, no index.json), which \
+                 --resume no longer reads. Convert its weights with `llama2_train convert \
+                 <it>/model <new run dir>` (AdamW moments restart at zero) and resume there",
+            ));
+        }
         if latest_checkpoint(&config.out_dir)?.is_none() {
             tracing::warn!(
                 "--resume: {} holds no checkpoint; starting a fresh run",

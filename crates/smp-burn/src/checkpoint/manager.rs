@@ -338,9 +338,14 @@ impl Checkpointer {
             let _ = std::fs::remove_dir_all(&aside);
         }
         if let Some(keep) = self.keep {
-            for old in committed_steps(&self.root).into_iter().rev().skip(keep) {
-                if old.0 != p.step {
-                    let _ = std::fs::remove_dir_all(&old.1);
+            for (step, old) in committed_steps(&self.root).into_iter().rev().skip(keep) {
+                if step != p.step {
+                    // Renamed out of sight first: a kill in the middle of deleting must not
+                    // leave a `step-*` directory that is neither complete nor ever pruned.
+                    let doomed = self.root.join(format!(".{}.deleting", step_dir(step)));
+                    if std::fs::rename(&old, &doomed).is_ok() {
+                        let _ = std::fs::remove_dir_all(&doomed);
+                    }
                 }
             }
         }
