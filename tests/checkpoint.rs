@@ -411,10 +411,10 @@ fn ranks_write_and_read_only_their_shards() {
 /// with `SMP_70B_LAYERS` layers (default 1; 1.38B parameters, 16.6 GB of weights and moments)
 /// save from 4 ranks with full sharding and load as 2 ranks with tensor parallelism 2, without
 /// training: each rank snapshots exactly its own shards and reads about its share of the
-/// files. Not in CI (it needs about 20 GB of memory and minutes of disk I/O):
+/// files. Not in CI (about 32 GB of memory: the 4 ranks share one process; minutes of I/O):
 /// `cargo test --release -p smp-burn-tests --test all -- --ignored checkpoint::seventy_b`.
 #[test]
-#[ignore = "20 GB of memory and minutes of I/O; run by name"]
+#[ignore = "about 32 GB of memory and minutes of I/O; run by name"]
 fn seventy_b_widths_save_and_load_within_their_shards() {
     use collectives::{CommOptions, run_on_threads};
     use llama::LlamaConfig;
