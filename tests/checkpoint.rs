@@ -11,7 +11,7 @@ use std::path::Path;
 use llama::train::{self, TrainConfig};
 use smp_burn::fsdp::AdamW;
 
-use smp_burn_tests::trainer::{Fixture, checkpoint_tensors, train, try_train};
+use smp_burn_tests::trainer::{Fixture, assert_losses, checkpoint_tensors, train, try_train};
 
 /// `steps` steps at a constant learning rate, `micro_batch` rows per data-parallel rank.
 fn config(fx: &Fixture, name: &str, steps: u64, micro_batch: usize) -> TrainConfig {
@@ -27,17 +27,6 @@ fn config(fx: &Fixture, name: &str, steps: u64, micro_batch: usize) -> TrainConf
             ..AdamW::default()
         },
         ..fx.base_config(name)
-    }
-}
-
-fn assert_losses(got: &[f64], want: &[f64], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: steps");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let rel = (g - w).abs() / w.abs();
-        assert!(
-            rel <= 1e-4,
-            "{what}: loss {i}: {g} vs {w} ({rel:.1e}); all {got:?} vs {want:?}"
-        );
     }
 }
 
@@ -342,25 +331,14 @@ fn kills_during_saves_leave_a_readable_latest_checkpoint() {
 fn ranks_write_and_read_only_their_shards() {
     use collectives::{CommOptions, run_on_threads};
     use llama::LlamaConfig;
-    use llama::parallel::{Build, build, seeded_init};
+    use smp_burn::SmpError;
     use smp_burn::checkpoint::{Checkpointer, ShardedCheckpoint};
     use smp_burn::engine::StateKind;
-    use smp_burn::mesh::Mesh;
-    use smp_burn::{ParallelConfig, SmpError};
-    use smp_burn_tests::Cpu;
 
     let model = LlamaConfig::preset("small").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().to_path_buf();
-    let engine = |world: std::sync::Arc<dyn collectives::Communicator>| {
-        let mesh = Mesh::over_host(world, &ParallelConfig::default()).unwrap();
-        let how = Build {
-            init: seeded_init(7),
-            adamw: AdamW::default(),
-            max_grad_norm: None,
-        };
-        build::<Cpu>(&model, &mesh, &Default::default(), how).unwrap()
-    };
+    let engine = |world| seeded_engine(&model, world, 1);
     let saved = run_on_threads(4, CommOptions::default(), |world| {
         let engine = engine(world.clone());
         let snapshot = engine
@@ -380,13 +358,7 @@ fn ranks_write_and_read_only_their_shards() {
         engine.gather_named(StateKind::Weights).unwrap()
     });
     let ckpt_dir = root.join("step-000001");
-    let total: u64 = ShardedCheckpoint::open(&ckpt_dir)
-        .unwrap()
-        .index()
-        .files
-        .values()
-        .map(|f| f.bytes)
-        .sum();
+    let total = files_bytes(&ckpt_dir);
     let loaded = run_on_threads(2, CommOptions::default(), |world| {
         let mut engine = engine(world);
         let ckpt = ShardedCheckpoint::open(&ckpt_dir).unwrap();
@@ -418,11 +390,7 @@ fn ranks_write_and_read_only_their_shards() {
 fn seventy_b_widths_save_and_load_within_their_shards() {
     use collectives::{CommOptions, run_on_threads};
     use llama::LlamaConfig;
-    use llama::parallel::{Build, build, seeded_init};
-    use smp_burn::ParallelConfig;
     use smp_burn::checkpoint::{Checkpointer, ShardedCheckpoint};
-    use smp_burn::mesh::Mesh;
-    use smp_burn_tests::Cpu;
 
     let layers = std::env::var("SMP_70B_LAYERS")
         .ok()
@@ -434,19 +402,7 @@ fn seventy_b_widths_save_and_load_within_their_shards() {
     };
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().to_path_buf();
-    let engine = |world: std::sync::Arc<dyn collectives::Communicator>, tp: usize| {
-        let parallel = ParallelConfig {
-            tensor_parallel_degree: tp,
-            ..ParallelConfig::default()
-        };
-        let mesh = Mesh::over_host(world, &parallel).unwrap();
-        let how = Build {
-            init: seeded_init(7),
-            adamw: AdamW::default(),
-            max_grad_norm: None,
-        };
-        build::<Cpu>(&model, &mesh, &Default::default(), how).unwrap()
-    };
+    let engine = |world, tp| seeded_engine(&model, world, tp);
     let t = std::time::Instant::now();
     let written = run_on_threads(4, CommOptions::default(), |world| {
         let engine = engine(world.clone(), 1);
@@ -456,13 +412,7 @@ fn seventy_b_widths_save_and_load_within_their_shards() {
         (started.bytes, engine.state_bytes())
     });
     let saved = t.elapsed();
-    let total: u64 = ShardedCheckpoint::open(&root.join("step-000001"))
-        .unwrap()
-        .index()
-        .files
-        .values()
-        .map(|f| f.bytes)
-        .sum();
+    let total = files_bytes(&root.join("step-000001"));
     let t = std::time::Instant::now();
     let read = run_on_threads(2, CommOptions::default(), |world| {
         let mut engine = engine(world, 2);
@@ -512,4 +462,36 @@ fn an_earlier_format_checkpoint_is_named_not_ignored() {
         e.contains("step-000004") && e.contains("earlier version") && e.contains("convert"),
         "{e}"
     );
+}
+
+/// An engine of `model` on `world`'s ranks with full sharding and tensor parallelism
+/// `tp`: seeded values, AdamW, no clipping.
+fn seeded_engine(
+    model: &llama::LlamaConfig,
+    world: std::sync::Arc<dyn collectives::Communicator>,
+    tp: usize,
+) -> llama::parallel::LlamaEngine<smp_burn_tests::Cpu> {
+    use llama::parallel::{Build, build, seeded_init};
+    let parallel = smp_burn::ParallelConfig {
+        tensor_parallel_degree: tp,
+        ..smp_burn::ParallelConfig::default()
+    };
+    let mesh = smp_burn::mesh::Mesh::over_host(world, &parallel).unwrap();
+    let how = Build {
+        init: seeded_init(7),
+        adamw: AdamW::default(),
+        max_grad_norm: None,
+    };
+    build(model, &mesh, &Default::default(), how).unwrap()
+}
+
+/// Bytes of every file a checkpoint's index lists.
+fn files_bytes(dir: &Path) -> u64 {
+    smp_burn::checkpoint::ShardedCheckpoint::open(dir)
+        .unwrap()
+        .index()
+        .files
+        .values()
+        .map(|f| f.bytes)
+        .sum()
 }

@@ -332,6 +332,19 @@ pub mod trainer {
         first
     }
 
+    /// Per-step losses equal in number and each within 1e-4 relative of `want`'s: the tolerance
+    /// of runs whose layouts regroup f32 sums.
+    pub fn assert_losses(got: &[f64], want: &[f64], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: steps");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let rel = (g - w).abs() / w.abs();
+            assert!(
+                rel <= 1e-4,
+                "{what}: loss {i}: {g} vs {w} ({rel:.1e}); all {got:?} vs {want:?}"
+            );
+        }
+    }
+
     /// Every tensor of a sharded checkpoint, read whole: `(kind, name) -> (shape, values)`,
     /// kind `weights`, `exp_avg` or `exp_avg_sq`.
     pub fn checkpoint_tensors(

@@ -15,7 +15,7 @@ use llama::hf;
 use llama::train::{self, TrainConfig};
 use smp_burn::fsdp::AdamW;
 
-use smp_burn_tests::trainer::{Fixture, checkpoint_tensors, train, try_train};
+use smp_burn_tests::trainer::{Fixture, assert_losses, checkpoint_tensors, train, try_train};
 
 /// `steps` steps of 4 x 32 tokens at a constant learning rate, tensor-parallel over `tp` ranks.
 fn config(fx: &Fixture, name: &str, steps: u64, tp: usize) -> TrainConfig {
@@ -32,17 +32,6 @@ fn config(fx: &Fixture, name: &str, steps: u64, tp: usize) -> TrainConfig {
     };
     c.parallel.tensor_parallel_degree = tp;
     c
-}
-
-fn assert_losses(got: &[f64], want: &[f64], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: steps");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let rel = (g - w).abs() / w.abs();
-        assert!(
-            rel <= 1e-4,
-            "{what}: loss {i}: {g} vs {w} ({rel:.1e}); all {got:?} vs {want:?}"
-        );
-    }
 }
 
 /// Two checkpoint (or export) directories hold the same tensors: identical names and shapes,

@@ -19,7 +19,7 @@ type WriterResult = Result<Option<(String, FileEntry)>, String>;
 
 /// Saves an engine's state as sharded checkpoints under one directory (`root/step-NNNNNN`, and
 /// `root/latest` naming the newest), writing in the background and committing when every rank
-/// is done. Every rank of the job holds one and makes the same calls in the same order:
+/// is done. Every rank of the job holds one and uses it the same way, in the same order:
 /// [`Self::save`] at a save step, [`Self::poll`] once per step, [`Self::finish`] at the end.
 pub struct Checkpointer {
     root: PathBuf,
@@ -59,7 +59,8 @@ pub struct Committed {
     pub step: u64,
     /// Its directory.
     pub dir: PathBuf,
-    /// From the save call to the commit: the background write and the wait for every rank.
+    /// From [`Checkpointer::save`] to the commit: the background write and the wait for every
+    /// rank.
     pub write_time: Duration,
 }
 
@@ -192,7 +193,7 @@ impl Checkpointer {
     }
 
     /// Commits the pending save if every rank has written its file: one small all-reduce while
-    /// a save is pending, nothing otherwise. Call once per step on every rank.
+    /// a save is pending, nothing otherwise. Once per step on every rank.
     ///
     /// # Errors
     /// A rank's write or the commit failed (the partial directory is removed; the previous
