@@ -21,6 +21,9 @@ use std::sync::Arc;
 
 use clap::Parser;
 
+#[path = "llama2_train_plan.rs"]
+mod plan_cli;
+
 use burn::backend::{Autodiff, NdArray};
 use collectives::{CommOptions, Communicator, RendezvousConfig, run_on_threads};
 use llama::LlamaError;
@@ -292,6 +295,20 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     install_panic_hook();
+    if std::env::args_os().nth(1).is_some_and(|a| a == "plan") {
+        let result = if std::env::args_os().nth(2).is_some_and(|a| a == "calibrate") {
+            plan_cli::calibrate(&plan_cli::CalibrateArgs::parse_from(
+                std::env::args_os().skip(2),
+            ))
+        } else {
+            plan_cli::run(&plan_cli::PlanArgs::parse_from(std::env::args_os().skip(1)))
+        };
+        if let Err(e) = result {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     if std::env::args_os().nth(1).is_some_and(|a| a == "convert") {
         let args = ConvertArgs::parse_from(std::env::args_os().skip(1));
         if let Err(e) = convert(&args) {
@@ -407,8 +424,17 @@ fn run(resolved: ResolvedConfig) -> Result<(), DynError> {
     } else {
         nproc
     };
+    let (config, prediction) = if config.auto {
+        if !cuda {
+            return Err("--auto plans for GPUs: add --device cuda".into());
+        }
+        let (config, p) = plan_cli::auto_layout(&resolved, config, world)?;
+        (config, Some(p))
+    } else {
+        (config, None)
+    };
     let dims = ParallelDims::new(&config.parallel, world)?;
-    let config = if cuda {
+    let config = if cuda && prediction.is_none() {
         fit_to_gpu(&resolved, config, &dims)?
     } else {
         config
@@ -463,6 +489,9 @@ fn run(resolved: ResolvedConfig) -> Result<(), DynError> {
         let is_lead = first_rank == 0;
         if is_lead {
             print_summary(s, &prepared);
+            if let Some(p) = &prediction {
+                plan_cli::compare_with_prediction(&prepared.config, p)?;
+            }
         }
     }
     Ok(())

@@ -237,3 +237,103 @@ fn launched_ranks_reject_a_bad_hybrid_shard_degree() {
     assert!(o.stderr.contains("hybrid_shard_degree 3"), "{o}");
     assert!(o.stderr.contains("smp-run: rank"), "{o}");
 }
+
+/// The per-step losses of a run without evaluation (`--eval-interval 0`).
+fn plain_losses(out_dir: &Path, steps: usize, what: &str) -> Vec<f64> {
+    let metrics = read_metrics(out_dir.join("metrics.jsonl")).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let logged: Vec<u64> = metrics.iter().map(|m| m.step).collect();
+    assert_eq!(logged, (1..=steps as u64).collect::<Vec<_>>(), "{what}");
+    metrics.iter().map(|m| m.loss).collect()
+}
+
+/// 64 processes launched as 8 simulated nodes of 8 (one `smp-run` per node, every rank over
+/// TCP on this machine, as a multi-node job is launched) train like one rank, with tensor
+/// parallelism 2 and hybrid sharding over groups inside a node (4 ranks: 4 x TP 2 = one
+/// node) and across nodes (16 ranks: 4 nodes), each sharded group replicated over the rest.
+/// The one rank accumulates the same global batch in 32 micro-batches. Tolerance 1e-4
+/// relative per step's loss, as the thread-rank tensor-parallel tests (`tp_e2e.rs`): a
+/// different order of the same sums; a lost or doubled shard moves it by 1e-3 or more.
+#[test]
+fn sixty_four_processes_on_eight_nodes_train_like_one_rank() {
+    const NODES: usize = 8;
+    const PER_NODE: usize = 8;
+    const STEPS: usize = 3;
+    let bins = binaries();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = corpus_file(dir.path());
+    // AdamW's epsilon at 1e-3, as in tp_e2e.rs: rounding noise in near-zero gradients is not
+    // amplified into the weights.
+    let config = dir.path().join("run.toml");
+    std::fs::write(&config, "[adamw]\neps = 1e-3\n").expect("write config");
+    let args = |out: &Path| -> Vec<String> {
+        let mut a = train_args(&data, out);
+        // 32 data-parallel ranks (64 / TP 2) of one 32-token sequence each.
+        for (flag, value) in [
+            ("--micro-batch", "1"),
+            ("--steps", "3"),
+            ("--eval-interval", "0"),
+            ("--global-batch-tokens", "1024"),
+        ] {
+            let at = a.iter().position(|x| x == flag);
+            match at {
+                Some(i) => a[i + 1] = value.into(),
+                None => a.extend([flag.into(), value.into()]),
+            }
+        }
+        a.extend(["--config".into(), config.display().to_string()]);
+        a
+    };
+
+    let one_dir = dir.path().join("one");
+    let t = Instant::now();
+    let one = run_with_deadline(
+        Command::new(&bins.llama2_train).args(args(&one_dir)),
+        Duration::from_secs(300),
+    );
+    eprintln!("one rank: {:?}", t.elapsed());
+    assert!(one.status.success(), "one rank: {one}");
+    let reference = plain_losses(&one_dir, STEPS, "one rank");
+
+    for sdp in [4, 16] {
+        let out = dir.path().join(format!("sdp{sdp}"));
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let t = Instant::now();
+        let launchers: Vec<_> = (0..NODES)
+            .map(|node| {
+                let mut cmd = Command::new(&bins.smp_run);
+                cmd.args(["--nproc-per-node", &PER_NODE.to_string()])
+                    .args(["--nnodes", &NODES.to_string()])
+                    .args(["--node-rank", &node.to_string()])
+                    .args(["--master-addr", "127.0.0.1"])
+                    .args(["--master-port", &port.to_string()])
+                    .args(["--kill-grace-secs", "5", "--"])
+                    .arg(&bins.llama2_train)
+                    .args(args(&out))
+                    .args(["--tensor-parallel-degree", "2"])
+                    .args(["--hybrid-shard-degree", &sdp.to_string()]);
+                std::thread::spawn(move || run_with_deadline(&mut cmd, Duration::from_secs(600)))
+            })
+            .collect();
+        for (node, l) in launchers.into_iter().enumerate() {
+            let finished = l.join().expect("launcher thread");
+            assert!(
+                finished.status.success(),
+                "node {node} of 8, hybrid_shard_degree {sdp}: {finished}"
+            );
+        }
+        eprintln!("64 processes, TP 2, hybrid_shard_degree {sdp}: {:?}", t.elapsed());
+        let got = plain_losses(&out, STEPS, &format!("64 processes, sdp {sdp}"));
+        for (step, (a, b)) in reference.iter().zip(&got).enumerate() {
+            let rel = (a - b).abs() / a.abs();
+            assert!(
+                rel <= 1e-4,
+                "hybrid_shard_degree {sdp}, step {}: 64-process loss {b} vs one rank {a} \
+                 ({rel:.1e} relative); all {got:?} vs {reference:?}",
+                step + 1
+            );
+        }
+    }
+}

@@ -10,6 +10,7 @@ pub mod hf;
 pub mod metrics;
 pub mod model;
 pub mod parallel;
+pub mod plan;
 pub mod tokenizer;
 pub mod train;
 

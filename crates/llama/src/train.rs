@@ -164,6 +164,12 @@ pub struct TrainConfig {
     /// device's name (`llama::metrics::PEAK_FLOPS_16BIT`).
     #[arg(long, value_name = "TFLOPS")]
     pub peak_tflops: Option<f64>,
+    /// On CUDA: let the planner (`llama::plan`) choose the tensor-parallel and shard degrees,
+    /// the micro-batch, the recomputed layers and offloading for the GPUs of this run, log its
+    /// prediction, and compare it with the measured step at the end. Settings given explicitly
+    /// (a flag or a file key) are kept.
+    #[arg(long)]
+    pub auto: bool,
     /// Show a progress bar (rank 0). The flag is `--no-progress`.
     #[arg(long = "no-progress", action = ArgAction::SetFalse, help = "Hide the progress bar")]
     pub progress: bool,

@@ -29,6 +29,7 @@ pub mod loss;
 pub mod mesh;
 pub mod offload;
 pub mod ops;
+pub mod plan;
 pub mod optim;
 pub mod readback;
 pub mod tp;
