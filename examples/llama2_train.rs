@@ -439,9 +439,15 @@ fn run(resolved: ResolvedConfig) -> Result<(), DynError> {
     } else {
         config
     };
-    // The model's shape is known before the tokenizer except for the vocabulary, which
-    // tensor parallelism does not split.
-    train::check_tensor_parallel(&config, &train::model_config(&config, 1)?)?;
+    // The model's shape is known before the tokenizer, so a layout that cannot split it fails
+    // before minutes of tokenizing.
+    let mut shape = train::model_config(&config, 1)?;
+    if config.init_from_hf.is_none() && matches!(config.model.as_str(), "tiny" | "small") {
+        // These take the tokenizer's vocabulary, not known yet: each rank checks it again
+        // once the tokenizer is built (`train_rank`).
+        shape.vocab_size = config.parallel.tensor_parallel_degree.max(1);
+    }
+    train::check_tensor_parallel(&config, &shape)?;
     train::accumulation_steps(
         &config,
         world / config.parallel.tensor_parallel_degree.max(1),

@@ -23,7 +23,7 @@ type DynError = Box<dyn std::error::Error + Send + Sync>;
                   h200 --scaling 16,32,64,128 --svg scaling.svg"
 )]
 pub struct PlanArgs {
-    /// Model preset (tiny, small, 1b, 7b, 13b, 70b).
+    /// Model preset (tiny, small, 1b, 7b, 13b, 70b); with --scaling a comma-separated list.
     #[arg(long, default_value = "7b")]
     model: String,
     /// A Hugging Face model directory whose config.json gives the shape (instead of --model).
@@ -35,7 +35,8 @@ pub struct PlanArgs {
     /// Tokens per optimizer step over the whole cluster (4M by default, as SMP's benchmarks).
     #[arg(long, default_value_t = 4 << 20)]
     global_batch_tokens: usize,
-    /// Cluster preset: p4d (8 A100-40GB, 400 Gb/s EFA), p5 (8 H100, 3,200 Gb/s EFA), h200.
+    /// Cluster preset: p4d (8 A100-40GB, 400 Gb/s EFA), p5 (8 H100, 3,200 Gb/s EFA), h200
+    /// (8 H200, 8 x 400 Gb/s); with --scaling a comma-separated list.
     #[arg(long, default_value = "h200")]
     cluster: String,
     /// Nodes.
@@ -85,6 +86,10 @@ pub struct PlanArgs {
     /// Predict with this many recomputed layers instead of the fewest that fit.
     #[arg(long)]
     recomputed: Option<usize>,
+    /// Share of the collectives' time beside compute that is hidden (default: the calibration's,
+    /// 0.3 as measured on two H200s; 1 is perfect overlap).
+    #[arg(long)]
+    overlap: Option<f64>,
     /// Layouts to print.
     #[arg(long, default_value_t = 10)]
     top: usize,
@@ -135,10 +140,21 @@ pub struct CalibrateArgs {
     /// Overwrite --out if it exists.
     #[arg(long)]
     overwrite: bool,
+    /// Fit again the runs a calibration measured (its `.runs.json`), without a GPU: to fit
+    /// with another `--optimizer-tbps`, or after a fit that failed.
+    #[arg(long, value_name = "FILE")]
+    from_runs: Option<PathBuf>,
 }
 
-fn cluster(args: &PlanArgs, nodes: usize) -> Result<Cluster, DynError> {
-    let mut c = Cluster::preset(&args.cluster, nodes)?;
+/// What `plan calibrate` measured, saved before the fit.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct MeasuredRuns {
+    gpu: Gpu,
+    runs: Vec<CalibrationRun>,
+}
+
+fn cluster(args: &PlanArgs, preset: &str, nodes: usize) -> Result<Cluster, DynError> {
+    let mut c = Cluster::preset(preset, nodes)?;
     if let Some(g) = args.gpus_per_node {
         if g == 0 {
             return Err("--gpus-per-node 0: need at least one".into());
@@ -178,7 +194,14 @@ fn calibration_for(args: &PlanArgs, model: &LlamaConfig, gpu: &Gpu) -> Result<Ca
         Some(path) => Calibration::load(path)?,
         None => Calibration::h200(),
     };
-    Ok(Calibration::nearest(&set, model, gpu)?)
+    let mut cal = Calibration::nearest(&set, model, gpu)?;
+    if let Some(o) = args.overlap {
+        if !(0.0..=1.0).contains(&o) {
+            return Err(format!("--overlap {o}: must be within 0 and 1").into());
+        }
+        cal.overlap = o;
+    }
+    Ok(cal)
 }
 
 /// The layouts `--tp`, `--sdp`, `--micro-batch` allow, predicted again with `--recomputed`
@@ -215,22 +238,29 @@ fn restrict(
 
 /// `llama2_train plan ...`.
 pub fn run(args: &PlanArgs) -> Result<(), DynError> {
-    let model = match &args.hf_config {
-        Some(dir) => llama::hf::read_hf_config(dir)?,
-        None => LlamaConfig::preset(&args.model)?,
+    let workload = |model: &str| -> Result<(String, Workload), DynError> {
+        let (name, model) = match &args.hf_config {
+            Some(dir) => (dir.display().to_string(), llama::hf::read_hf_config(dir)?),
+            None => (model.to_string(), LlamaConfig::preset(model)?),
+        };
+        model.validate()?;
+        Ok((
+            name,
+            Workload {
+                model,
+                seq_len: args.seq_len,
+                global_batch_tokens: args.global_batch_tokens,
+            },
+        ))
     };
-    model.validate()?;
-    let workload = Workload {
-        model,
-        seq_len: args.seq_len,
-        global_batch_tokens: args.global_batch_tokens,
-    };
-    let name = args
-        .hf_config
-        .as_ref()
-        .map_or(args.model.clone(), |d| d.display().to_string());
+    let models: Vec<&str> = args.model.split(',').map(str::trim).collect();
+    let clusters: Vec<&str> = args.cluster.split(',').map(str::trim).collect();
     if args.scaling.is_empty() {
-        let c = cluster(args, args.nodes)?;
+        if models.len() > 1 || clusters.len() > 1 {
+            return Err("several models or clusters need --scaling N,N,...".into());
+        }
+        let (name, workload) = workload(models[0])?;
+        let c = cluster(args, clusters[0], args.nodes)?;
         let cal = calibration_for(args, &workload.model, &c.gpu)?;
         let ranked = restrict(args, &workload, &c, &cal, plan::search(&workload, &c, &cal));
         println!(
@@ -245,12 +275,11 @@ pub fn run(args: &PlanArgs) -> Result<(), DynError> {
         );
         if ranked.is_empty() {
             return Err(format!(
-                "no layout divides {} tokens per step over {} GPUs in sequences of {}: \
-                 make the global batch a multiple of {} x {}",
+                "no layout divides {} tokens per step over {} GPUs in sequences of {}: make \
+                 the global batch a multiple of the data-parallel ranks x {}",
                 args.global_batch_tokens,
                 c.world(),
                 args.seq_len,
-                c.world() / c.gpus_per_node.min(8),
                 args.seq_len
             )
             .into());
@@ -264,46 +293,60 @@ pub fn run(args: &PlanArgs) -> Result<(), DynError> {
         }
         return Ok(());
     }
-    println!(
-        "| nodes | GPUs | tp | sdp | micro-batch x count | recomputed | offload | memory/GPU | \
-         step | exposed comm | TFLOP/s/GPU | efficiency |\n\
-         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
-    );
-    let mut points = Vec::new();
-    let mut first: Option<f64> = None;
-    for &nodes in &args.scaling {
-        let c = cluster(args, nodes)?;
-        let cal = calibration_for(args, &workload.model, &c.gpu)?;
-        let ranked = restrict(args, &workload, &c, &cal, plan::search(&workload, &c, &cal));
-        let Some(best) = ranked.first().filter(|p| p.fits) else {
-            println!("| {nodes} | {} | no layout fits | | | | | | | | | |", c.world());
-            continue;
-        };
-        let tflops = best.flops_per_gpu / 1e12;
-        let base = *first.get_or_insert(tflops);
-        let l = best.layout;
-        println!(
-            "| {nodes} | {} | {} | {} | {} x {} | {} | {} | {:.1} GiB | {:.2} s | {:.2} s | {tflops:.1} | {:.1} % |",
-            c.world(),
-            l.tp,
-            l.sdp,
-            l.micro_batch,
-            best.micro_batches,
-            l.recomputed_layers,
-            if l.offload { "yes" } else { "no" },
-            best.memory_bytes as f64 / (1u64 << 30) as f64,
-            best.step_s,
-            best.exposed_comm_s,
-            100.0 * tflops / base
-        );
-        points.push((nodes as f64, tflops));
+    let mut series = Vec::new();
+    for preset in &clusters {
+        for model in &models {
+            let (name, workload) = workload(model)?;
+            println!(
+                "\n{name} on {preset}, S={}, {} tokens per step\n\n| nodes | GPUs | tp | sdp | \
+                 micro-batch x count | recomputed | offload | memory/GPU | step | exposed comm \
+                 | TFLOP/s/GPU | efficiency |\n| --- | --- | --- | --- | --- | --- | --- | --- \
+                 | --- | --- | --- | --- |",
+                args.seq_len, args.global_batch_tokens
+            );
+            let mut points = Vec::new();
+            let mut first: Option<f64> = None;
+            for &nodes in &args.scaling {
+                let c = cluster(args, preset, nodes)?;
+                let cal = calibration_for(args, &workload.model, &c.gpu)?;
+                let ranked =
+                    restrict(args, &workload, &c, &cal, plan::search(&workload, &c, &cal));
+                let Some(best) = ranked.first().filter(|p| p.fits) else {
+                    println!("| {nodes} | {} | no layout fits | | | | | | | | | |", c.world());
+                    continue;
+                };
+                let tflops = best.flops_per_gpu / 1e12;
+                let base = *first.get_or_insert(tflops);
+                let l = best.layout;
+                println!(
+                    "| {nodes} | {} | {} | {} | {} x {} | {} | {} | {:.1} GiB | {:.2} s | {:.2} s \
+                     | {tflops:.1} | {:.1} % |",
+                    c.world(),
+                    l.tp,
+                    l.sdp,
+                    l.micro_batch,
+                    best.micro_batches,
+                    l.recomputed_layers,
+                    if l.offload { "yes" } else { "no" },
+                    best.memory_bytes as f64 / (1u64 << 30) as f64,
+                    best.step_s,
+                    best.exposed_comm_s,
+                    100.0 * tflops / base
+                );
+                points.push((nodes as f64, tflops));
+            }
+            series.push((format!("{name} on {preset}"), points));
+        }
     }
     if let Some(path) = &args.svg {
         plan::write_scaling_svg(
             path,
-            &format!("{name}, S={}, {}", args.seq_len, args.cluster),
+            &format!(
+                "Predicted model TFLOP/s per GPU, S={}, {} tokens per step",
+                args.seq_len, args.global_batch_tokens
+            ),
             "model TFLOP/s per GPU",
-            &[(name.clone(), points)],
+            &series,
         )?;
         println!("\nwrote {}", path.display());
     }
@@ -318,6 +361,13 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<(), DynError> {
             args.out.display()
         )
         .into());
+    }
+    if let Some(path) = &args.from_runs {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let measured: MeasuredRuns =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let model = format!("{} hidden", measured.runs.first().map_or(0, |r| r.hidden_size));
+        return fit_and_report(args, &model, &measured.gpu, &measured.runs);
     }
     let mut layers = args.layers.clone();
     layers.sort_unstable();
@@ -389,8 +439,18 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<(), DynError> {
     }
     // Saved before the fit, so that a fit that fails leaves the measurements.
     let raw = args.out.with_extension("runs.json");
-    std::fs::write(&raw, serde_json::to_string_pretty(&runs)?)?;
-    let cal = Calibration::fit(&gpu, args.optimizer_tbps * 1e12, &runs)?;
+    let measured = MeasuredRuns { gpu, runs };
+    std::fs::write(&raw, serde_json::to_string_pretty(&measured)?)?;
+    fit_and_report(args, &args.model, &measured.gpu, &measured.runs)
+}
+
+fn fit_and_report(
+    args: &CalibrateArgs,
+    model: &str,
+    gpu: &Gpu,
+    runs: &[CalibrationRun],
+) -> Result<(), DynError> {
+    let cal = Calibration::fit(gpu, args.optimizer_tbps * 1e12, runs)?;
     cal.save(&args.out)?;
     let attention: Vec<String> = cal
         .attention
@@ -402,7 +462,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<(), DynError> {
          \n\n| layers | S | micro-batch | recomputed | measured | fitted |\n\
          | --- | --- | --- | --- | --- | --- |",
         cal.gpu,
-        args.model,
+        model,
         cal.linear_flops / 1e12,
         attention.join(", "),
         cal.optimizer_bytes_per_s / 1e12,

@@ -403,6 +403,20 @@ fn seventy_b_widths_save_and_load_within_their_shards() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().to_path_buf();
     let engine = |world, tp| seeded_engine(&model, world, tp);
+    // Peak resident memory of this process (the ranks are its threads), reset per phase
+    // (`clear_refs` 5 resets VmHWM), in bytes.
+    let reset_peak = || std::fs::write("/proc/self/clear_refs", "5").is_ok();
+    let peak = || -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    let base = peak();
+    let measured = reset_peak();
     let t = std::time::Instant::now();
     let written = run_on_threads(4, CommOptions::default(), |world| {
         let engine = engine(world.clone(), 1);
@@ -412,7 +426,9 @@ fn seventy_b_widths_save_and_load_within_their_shards() {
         (started.bytes, engine.state_bytes())
     });
     let saved = t.elapsed();
+    let save_peak = peak();
     let total = files_bytes(&root.join("step-000001"));
+    reset_peak();
     let t = std::time::Instant::now();
     let read = run_on_threads(2, CommOptions::default(), |world| {
         let mut engine = engine(world, 2);
@@ -431,6 +447,31 @@ fn seventy_b_widths_save_and_load_within_their_shards() {
         read,
         t.elapsed().as_secs_f64()
     );
+    let load_peak = peak();
+    // What the ranks may hold together: their state and, per rank, a whole unit in f32 twice
+    // (gathered for the engine's build, read back and encoded while saving), plus the
+    // process before the test.
+    let unit = model.block_parameters().max(model.vocab_size * model.hidden_size) as u64 * 4;
+    let state: u64 = written.iter().map(|w| w.1 as u64).sum();
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    eprintln!(
+        "peak resident memory (VmHWM) of the 4 saving ranks: {:.1} GiB (their state {:.1} GiB, \
+         one unit {:.1} GiB); of the 2 loading ranks: {:.1} GiB; before: {:.1} GiB",
+        gib(save_peak),
+        gib(state),
+        gib(unit),
+        gib(load_peak),
+        gib(base)
+    );
+    if measured {
+        let bound = base + state + 4 * 2 * unit + (1 << 30);
+        assert!(
+            save_peak <= bound,
+            "saving peaked at {:.1} GiB, above state + 2 units per rank ({:.1} GiB)",
+            gib(save_peak),
+            gib(bound)
+        );
+    }
     for (bytes, held) in written {
         assert!(bytes <= held && bytes * 4 >= model.num_parameters() * 12);
     }
