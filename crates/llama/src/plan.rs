@@ -961,7 +961,8 @@ mod tests {
         // Between and beyond the measured lengths.
         assert!(close(fit.attention_flops(2048), 215e12));
         assert!(close(fit.attention_flops(65536), 390e12));
-        assert!(Calibration::fit(&h200(), 3e12, &runs[..4]).is_err());
+        // One sequence length and two runs: two rates, too few runs to check them.
+        assert!(Calibration::fit(&h200(), 3e12, &runs[..2]).is_err());
     }
 
     /// One GPU: nothing to communicate, and the memory is the one-GPU estimate.
@@ -988,11 +989,12 @@ mod tests {
         );
     }
 
-    /// The seed's finding on 128 p4d nodes: sharding 70B over all 1,024 GPUs (NCCL's ring
-    /// latency over 1,023 steps, every byte through the network) is far slower than sharding
-    /// inside groups and replicating across them.
+    /// SageMaker's published finding on 128 p4d nodes: sharding 70B over all 1,024 GPUs with
+    /// NCCL collapsed to 68.5 TFLOP/s per GPU (a 1,023-step ring's latency, every byte through
+    /// the network), well below sharding inside groups and replicating across them. The
+    /// planner, with this engine's calibration and overlap, predicts it within 10 %.
     #[test]
-    fn full_sharding_over_128_nodes_loses_to_hybrid() {
+    fn full_sharding_over_128_nodes_collapses_as_published() {
         let w = Workload {
             model: LlamaConfig::preset("70b").unwrap(),
             seq_len: 4096,
@@ -1005,11 +1007,13 @@ mod tests {
         assert!(best.fits && best.layout.sdp < 1024, "{best:?}");
         let full = ranked
             .iter()
-            .filter(|p| p.fits && p.layout.sdp * p.layout.tp == 1024)
+            .filter(|p| p.fits && p.layout.tp == 1 && p.layout.sdp == 1024)
             .min_by(|a, b| a.step_s.total_cmp(&b.step_s))
             .expect("a fully sharded layout fits");
+        let tflops = full.flops_per_gpu / 1e12;
+        assert!((tflops / 68.5 - 1.0).abs() < 0.1, "full sharding: {tflops:.1} TFLOP/s");
         assert!(
-            full.step_s > 1.3 * best.step_s,
+            full.step_s > 1.15 * best.step_s,
             "full {:.2} s against {:.2} s",
             full.step_s,
             best.step_s
