@@ -180,8 +180,7 @@ fn cluster(args: &PlanArgs, preset: &str, nodes: usize) -> Result<Cluster, DynEr
     if let Some(path) = &args.links_from {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
         let samples = parse_collective_bench(&text, "burn", args.links_ranks);
-        c.intra_node =
-            Link::fit(&samples).map_err(|e| format!("{}: {e}", path.display()))?;
+        c.intra_node = Link::fit(&samples).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     if c.gpu.memory_bytes == 0 || c.gpu.peak_bf16_flops <= 0.0 {
         return Err("the GPU needs positive memory and peak".into());
@@ -189,7 +188,11 @@ fn cluster(args: &PlanArgs, preset: &str, nodes: usize) -> Result<Cluster, DynEr
     Ok(c)
 }
 
-fn calibration_for(args: &PlanArgs, model: &LlamaConfig, gpu: &Gpu) -> Result<Calibration, DynError> {
+fn calibration_for(
+    args: &PlanArgs,
+    model: &LlamaConfig,
+    gpu: &Gpu,
+) -> Result<Calibration, DynError> {
     let set = match &args.calibration {
         Some(path) => Calibration::load(path)?,
         None => Calibration::h200(),
@@ -309,10 +312,12 @@ pub fn run(args: &PlanArgs) -> Result<(), DynError> {
             for &nodes in &args.scaling {
                 let c = cluster(args, preset, nodes)?;
                 let cal = calibration_for(args, &workload.model, &c.gpu)?;
-                let ranked =
-                    restrict(args, &workload, &c, &cal, plan::search(&workload, &c, &cal));
+                let ranked = restrict(args, &workload, &c, &cal, plan::search(&workload, &c, &cal));
                 let Some(best) = ranked.first().filter(|p| p.fits) else {
-                    println!("| {nodes} | {} | no layout fits | | | | | | | | | |", c.world());
+                    println!(
+                        "| {nodes} | {} | no layout fits | | | | | | | | | |",
+                        c.world()
+                    );
                     continue;
                 };
                 let tflops = best.flops_per_gpu / 1e12;
@@ -366,7 +371,10 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<(), DynError> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
         let measured: MeasuredRuns =
             serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        let model = format!("{} hidden", measured.runs.first().map_or(0, |r| r.hidden_size));
+        let model = format!(
+            "{} hidden",
+            measured.runs.first().map_or(0, |r| r.hidden_size)
+        );
         return fit_and_report(args, &model, &measured.gpu, &measured.runs);
     }
     let mut layers = args.layers.clone();
@@ -394,7 +402,14 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<(), DynError> {
             args.model
         );
         let mut cmd = Command::new(&exe);
-        cmd.args(["--device", "cuda", "--nproc-per-node", "1", "--model", &args.model]);
+        cmd.args([
+            "--device",
+            "cuda",
+            "--nproc-per-node",
+            "1",
+            "--model",
+            &args.model,
+        ]);
         cmd.args(["--layers", &l.to_string(), "--seq-len", &s.to_string()]);
         cmd.args(["--micro-batch", &mb.to_string()]);
         cmd.args(["--global-batch-tokens", &(mb * s).to_string()]);
@@ -635,7 +650,10 @@ pub fn compare_with_prediction(
         .collect();
     let memory = metrics.iter().filter_map(|m| m.peak_mem_bytes).max();
     if rates.is_empty() {
-        println!("planner: predicted {:.0} tokens/s; too few steps to compare (need 4+)", p.tokens_per_s);
+        println!(
+            "planner: predicted {:.0} tokens/s; too few steps to compare (need 4+)",
+            p.tokens_per_s
+        );
         return Ok(());
     }
     rates.sort_by(f64::total_cmp);

@@ -383,10 +383,12 @@ fn ranks_write_and_read_only_their_shards() {
 /// with `SMP_70B_LAYERS` layers (default 1; 1.38B parameters, 16.6 GB of weights and moments)
 /// save from 4 ranks with full sharding and load as 2 ranks with tensor parallelism 2, without
 /// training: each rank snapshots exactly its own shards and reads about its share of the
-/// files. Not in CI (about 32 GB of memory: the 4 ranks share one process; minutes of I/O):
+/// files; the process's peak resident memory while saving stays within the ranks' state plus
+/// two units each. Not in CI (25 GiB of memory: the ranks share one process; 100 s on 16
+/// cores, minutes of I/O):
 /// `cargo test --release -p smp-burn-tests --test all -- --ignored checkpoint::seventy_b`.
 #[test]
-#[ignore = "about 32 GB of memory and minutes of I/O; run by name"]
+#[ignore = "25 GiB of memory and minutes of I/O; run by name"]
 fn seventy_b_widths_save_and_load_within_their_shards() {
     use collectives::{CommOptions, run_on_threads};
     use llama::LlamaConfig;
@@ -451,7 +453,10 @@ fn seventy_b_widths_save_and_load_within_their_shards() {
     // What the ranks may hold together: their state and, per rank, a whole unit in f32 twice
     // (gathered for the engine's build, read back and encoded while saving), plus the
     // process before the test.
-    let unit = model.block_parameters().max(model.vocab_size * model.hidden_size) as u64 * 4;
+    let unit = model
+        .block_parameters()
+        .max(model.vocab_size * model.hidden_size) as u64
+        * 4;
     let state: u64 = written.iter().map(|w| w.1 as u64).sum();
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     eprintln!(

@@ -240,7 +240,8 @@ fn launched_ranks_reject_a_bad_hybrid_shard_degree() {
 
 /// The per-step losses of a run without evaluation (`--eval-interval 0`).
 fn plain_losses(out_dir: &Path, steps: usize, what: &str) -> Vec<f64> {
-    let metrics = read_metrics(out_dir.join("metrics.jsonl")).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let metrics =
+        read_metrics(out_dir.join("metrics.jsonl")).unwrap_or_else(|e| panic!("{what}: {e}"));
     let logged: Vec<u64> = metrics.iter().map(|m| m.step).collect();
     assert_eq!(logged, (1..=steps as u64).collect::<Vec<_>>(), "{what}");
     metrics.iter().map(|m| m.loss).collect()
@@ -324,7 +325,10 @@ fn sixty_four_processes_on_eight_nodes_train_like_one_rank() {
                 "node {node} of 8, hybrid_shard_degree {sdp}: {finished}"
             );
         }
-        eprintln!("64 processes, TP 2, hybrid_shard_degree {sdp}: {:?}", t.elapsed());
+        eprintln!(
+            "64 processes, TP 2, hybrid_shard_degree {sdp}: {:?}",
+            t.elapsed()
+        );
         let got = plain_losses(&out, STEPS, &format!("64 processes, sdp {sdp}"));
         for (step, (a, b)) in reference.iter().zip(&got).enumerate() {
             let rel = (a - b).abs() / a.abs();

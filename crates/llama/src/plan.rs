@@ -291,17 +291,26 @@ impl Calibration {
     pub fn nearest(set: &[Calibration], model: &LlamaConfig, gpu: &Gpu) -> Result<Calibration> {
         let distance = |c: &Calibration| {
             let log = |a: usize, b: usize| ((a.max(1) as f64) / (b.max(1) as f64)).ln().abs();
-            (log(c.head_dim, model.head_dim()), log(c.hidden_size, model.hidden_size))
+            (
+                log(c.head_dim, model.head_dim()),
+                log(c.hidden_size, model.hidden_size),
+            )
         };
         let best = set
             .iter()
-            .min_by(|a, b| distance(a).partial_cmp(&distance(b)).expect("finite distances"))
+            .min_by(|a, b| {
+                distance(a)
+                    .partial_cmp(&distance(b))
+                    .expect("finite distances")
+            })
             .ok_or_else(|| LlamaError::Config("no calibration to plan with".into()))?;
-        Ok(if (best.peak_bf16_flops - gpu.peak_bf16_flops).abs() > 1.0 {
-            best.scaled_to(gpu)
-        } else {
-            best.clone()
-        })
+        Ok(
+            if (best.peak_bf16_flops - gpu.peak_bf16_flops).abs() > 1.0 {
+                best.scaled_to(gpu)
+            } else {
+                best.clone()
+            },
+        )
     }
 
     /// Reads calibrations written by [`Calibration::save`]: one, or a JSON array of several.
@@ -314,7 +323,10 @@ impl Calibration {
         serde_json::from_str::<Vec<Calibration>>(&text)
             .or_else(|_| serde_json::from_str::<Calibration>(&text).map(|c| vec![c]))
             .map_err(|e| {
-                LlamaError::Config(format!("{}: not a planner calibration: {e}", path.display()))
+                LlamaError::Config(format!(
+                    "{}: not a planner calibration: {e}",
+                    path.display()
+                ))
             })
     }
 
@@ -341,7 +353,11 @@ impl Calibration {
     ///
     /// # Errors
     /// No runs, runs of different widths, or runs that fit no positive rates (named).
-    pub fn fit(gpu: &Gpu, optimizer_bytes_per_s: f64, runs: &[CalibrationRun]) -> Result<Calibration> {
+    pub fn fit(
+        gpu: &Gpu,
+        optimizer_bytes_per_s: f64,
+        runs: &[CalibrationRun],
+    ) -> Result<Calibration> {
         let first = runs
             .first()
             .ok_or_else(|| LlamaError::Config("a calibration needs runs".into()))?;
@@ -350,8 +366,7 @@ impl Calibration {
                 != (first.hidden_size, first.intermediate_size, first.heads)
         }) {
             return Err(LlamaError::Config(
-                "calibration runs must share the model's widths (one calibration per width)"
-                    .into(),
+                "calibration runs must share the model's widths (one calibration per width)".into(),
             ));
         }
         let mut seq_lens: Vec<usize> = runs.iter().map(|r| r.seq_len).collect();
@@ -375,7 +390,10 @@ impl Calibration {
                 let k = 1.0 / r.step_s;
                 let mut row = vec![0.0; unknowns + 1];
                 row[0] = w.linear_flops * k;
-                let s = seq_lens.iter().position(|&s| s == r.seq_len).expect("listed");
+                let s = seq_lens
+                    .iter()
+                    .position(|&s| s == r.seq_len)
+                    .expect("listed");
                 row[1 + s] = w.attention_flops * k;
                 row[unknowns] = 1.0 - w.optimizer_bytes / optimizer_bytes_per_s * k;
                 row
@@ -452,7 +470,10 @@ fn run_work(r: &CalibrationRun) -> Work {
 /// sequence length two layer counts, with micro-batches of `4096 / seq_len` sequences below
 /// 4,096 tokens (enough tokens for the GEMMs to run as in training); at the first length of
 /// 4,096 or more also micro-batch 2 and every layer recomputed.
-pub fn calibration_shapes(seq_lens: &[usize], layers: &[usize]) -> Vec<(usize, usize, usize, usize)> {
+pub fn calibration_shapes(
+    seq_lens: &[usize],
+    layers: &[usize],
+) -> Vec<(usize, usize, usize, usize)> {
     let deepest = layers.iter().copied().max().unwrap_or(1);
     let mut shapes = Vec::new();
     for &s in seq_lens {
@@ -473,7 +494,11 @@ pub fn calibration_shapes(seq_lens: &[usize], layers: &[usize]) -> Vec<(usize, u
 fn least_squares(rows: &[Vec<f64>], n: usize) -> Option<Vec<f64>> {
     // Columns scaled to unit size first: the features differ by 15 orders of magnitude.
     let scale: Vec<f64> = (0..n)
-        .map(|j| rows.iter().fold(0.0f64, |m, r| m.max(r[j].abs())).max(f64::MIN_POSITIVE))
+        .map(|j| {
+            rows.iter()
+                .fold(0.0f64, |m, r| m.max(r[j].abs()))
+                .max(f64::MIN_POSITIVE)
+        })
         .collect();
     let mut a = vec![vec![0.0f64; n]; n];
     let mut b = vec![0.0f64; n];
@@ -494,12 +519,14 @@ fn least_squares(rows: &[Vec<f64>], n: usize) -> Option<Vec<f64>> {
         }
         a.swap(col, pivot);
         b.swap(col, pivot);
-        for row in col + 1..n {
-            let f = a[row][col] / a[col][col];
-            for k in col..n {
-                a[row][k] -= f * a[col][k];
+        let (above, below) = a.split_at_mut(col + 1);
+        let pivot_row = &above[col];
+        for (offset, row) in below.iter_mut().enumerate() {
+            let f = row[col] / pivot_row[col];
+            for (value, p) in row[col..].iter_mut().zip(&pivot_row[col..]) {
+                *value -= f * p;
             }
-            b[row] -= f * b[col];
+            b[col + 1 + offset] -= f * b[col];
         }
     }
     let mut x = vec![0.0f64; n];
@@ -632,7 +659,11 @@ pub fn predict(
         // Backward, last layer first. Beside each unit's backward run the gather of the layer
         // after it (only recomputed layers gather again; the others kept their parameters in
         // the graph) and the reduction of the unit before it (on the last micro-batch).
-        let mut beside = if layers <= recomputed { gather_block } else { 0.0 };
+        let mut beside = if layers <= recomputed {
+            gather_block
+        } else {
+            0.0
+        };
         exposed += hide(beside, head);
         comm += beside;
         let mut pending_reduce = if sync { reduce_edge } else { 0.0 };
@@ -735,7 +766,8 @@ pub fn search(w: &Workload, cluster: &Cluster, calibration: &Calibration) -> Vec
                     if offload && recomputed.is_none_or(|r| r == 0) && fits(layers) {
                         continue;
                     }
-                    if let Some(p) = predict(w, cluster, calibration, at(recomputed.unwrap_or(layers)))
+                    if let Some(p) =
+                        predict(w, cluster, calibration, at(recomputed.unwrap_or(layers)))
                     {
                         out.push(p);
                     }
@@ -744,13 +776,11 @@ pub fn search(w: &Workload, cluster: &Cluster, calibration: &Calibration) -> Vec
         }
     }
     out.sort_by(|a, b| {
-        b.fits
-            .cmp(&a.fits)
-            .then(if a.fits {
-                a.step_s.total_cmp(&b.step_s)
-            } else {
-                a.memory_bytes.cmp(&b.memory_bytes)
-            })
+        b.fits.cmp(&a.fits).then(if a.fits {
+            a.step_s.total_cmp(&b.step_s)
+        } else {
+            a.memory_bytes.cmp(&b.memory_bytes)
+        })
     });
     out
 }
@@ -816,11 +846,17 @@ pub fn write_scaling_svg(
         (a.min(x.log2()), b.max(x.log2()))
     });
     let y1 = points().fold(0.0f64, |a, &(_, y)| a.max(y));
-    let (x0, x1) = if x0 < x1 { (x0, x1) } else { (x0 - 1.0, x0 + 1.0) };
-    let step = [1.0, 2.0, 5.0, 10.0, 20.0, 25.0, 50.0, 100.0, 200.0, 250.0, 500.0]
-        .into_iter()
-        .find(|s| y1 / s <= 8.0)
-        .unwrap_or(1000.0);
+    let (x0, x1) = if x0 < x1 {
+        (x0, x1)
+    } else {
+        (x0 - 1.0, x0 + 1.0)
+    };
+    let step = [
+        1.0, 2.0, 5.0, 10.0, 20.0, 25.0, 50.0, 100.0, 200.0, 250.0, 500.0,
+    ]
+    .into_iter()
+    .find(|s| y1 / s <= 8.0)
+    .unwrap_or(1000.0);
     let y1 = ((y1 / step).ceil() * step).max(step);
     let sx = |x: f64| L + (x.log2() - x0) / (x1 - x0) * (W - L - R);
     let sy = |y: f64| T + (1.0 - y / y1) * (H - T - B);
@@ -866,7 +902,11 @@ pub fn write_scaling_svg(
     );
     for (i, (name, pts)) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
-        let dash = if i >= COLORS.len() { r#" stroke-dasharray="6 3""# } else { "" };
+        let dash = if i >= COLORS.len() {
+            r#" stroke-dasharray="6 3""#
+        } else {
+            ""
+        };
         let path: Vec<String> = pts
             .iter()
             .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
@@ -900,7 +940,9 @@ pub fn write_scaling_svg(
 }
 
 fn escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 #[cfg(test)]
@@ -1011,7 +1053,10 @@ mod tests {
             .min_by(|a, b| a.step_s.total_cmp(&b.step_s))
             .expect("a fully sharded layout fits");
         let tflops = full.flops_per_gpu / 1e12;
-        assert!((tflops / 68.5 - 1.0).abs() < 0.1, "full sharding: {tflops:.1} TFLOP/s");
+        assert!(
+            (tflops / 68.5 - 1.0).abs() < 0.1,
+            "full sharding: {tflops:.1} TFLOP/s"
+        );
         assert!(
             full.step_s > 1.15 * best.step_s,
             "full {:.2} s against {:.2} s",

@@ -29,8 +29,8 @@ pub mod loss;
 pub mod mesh;
 pub mod offload;
 pub mod ops;
-pub mod plan;
 pub mod optim;
+pub mod plan;
 pub mod readback;
 pub mod tp;
 

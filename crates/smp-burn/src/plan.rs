@@ -361,14 +361,7 @@ mod tests {
             ..Cluster::preset("h200", 1).unwrap()
         };
         for s in &samples {
-            let t = cluster.collective(
-                s.op,
-                s.bytes,
-                Group {
-                    size: 2,
-                    stride: 1,
-                },
-            );
+            let t = cluster.collective(s.op, s.bytes, Group { size: 2, stride: 1 });
             assert!(
                 (t / s.seconds - 1.0).abs() < 0.1,
                 "{:?} {} B: {t} s against {} s",
@@ -402,15 +395,41 @@ mod tests {
         assert!(across > 4.0 * inside, "{across} against {inside}");
         // Replica groups of 8-rank shard groups: each node's 8 ranks belong to 8 different
         // groups, all crossing the network at once.
-        let replicas = c.collective(Collective::AllReduce, gib, Group { size: 128, stride: 8 });
+        let replicas = c.collective(
+            Collective::AllReduce,
+            gib,
+            Group {
+                size: 128,
+                stride: 8,
+            },
+        );
         let alone = Cluster {
             gpus_per_node: 1,
             ..c.clone()
         }
-        .collective(Collective::AllReduce, gib, Group { size: 128, stride: 1 });
+        .collective(
+            Collective::AllReduce,
+            gib,
+            Group {
+                size: 128,
+                stride: 1,
+            },
+        );
         assert!(replicas > 7.0 * alone, "{replicas} against {alone}");
-        let full = c.collective(Collective::AllGather, 1e6, Group { size: 1024, stride: 1 });
+        let full = c.collective(
+            Collective::AllGather,
+            1e6,
+            Group {
+                size: 1024,
+                stride: 1,
+            },
+        );
         assert!(full > 1023.0 * c.inter_node.latency_s);
-        assert!(Cluster::preset("p3", 1).unwrap_err().to_string().contains("p4d, p5, h200"));
+        assert!(
+            Cluster::preset("p3", 1)
+                .unwrap_err()
+                .to_string()
+                .contains("p4d, p5, h200")
+        );
     }
 }
