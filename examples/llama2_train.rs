@@ -441,13 +441,10 @@ fn run(resolved: ResolvedConfig) -> Result<(), DynError> {
     };
     // The model's shape is known before the tokenizer, so a layout that cannot split it fails
     // before minutes of tokenizing.
-    let mut shape = train::model_config(&config, 1)?;
-    if config.init_from_hf.is_none() && matches!(config.model.as_str(), "tiny" | "small") {
-        // These take the tokenizer's vocabulary, not known yet: each rank checks it again
-        // once the tokenizer is built (`train_rank`).
-        shape.vocab_size = config.parallel.tensor_parallel_degree.max(1);
-    }
-    train::check_tensor_parallel(&config, &shape)?;
+    // The shapes that take the tokenizer's vocabulary get a stand-in that any degree splits;
+    // each rank checks the real one once the tokenizer is built (`train_rank`).
+    let tp = config.parallel.tensor_parallel_degree.max(1);
+    train::check_tensor_parallel(&config, &train::model_config(&config, tp)?)?;
     train::accumulation_steps(
         &config,
         world / config.parallel.tensor_parallel_degree.max(1),

@@ -349,7 +349,8 @@ fn thin(points: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
 }
 
 /// 1, 2 or 5 times a power of ten, at least `raw`: tick spacings people read easily.
-fn nice_step(raw: f64) -> f64 {
+/// A step of 1, 2 or 5 times a power of ten near `raw`: tick spacing for the plots.
+pub(crate) fn nice_step(raw: f64) -> f64 {
     if !raw.is_finite() || raw <= 0.0 {
         return 1.0;
     }
@@ -371,7 +372,8 @@ fn decimals_for(step: f64) -> usize {
     (-step.log10().floor()).max(0.0) as usize
 }
 
-fn xml_escape(s: &str) -> String {
+/// `s` as SVG text content or attribute value.
+pub(crate) fn xml_escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")

@@ -30,6 +30,7 @@ use smp_burn::plan::{Cluster, Collective, Gpu, Group};
 
 use crate::config::{LlamaConfig, MEMORY_BUDGET_PERCENT, StepLayout};
 use crate::error::{LlamaError, Result};
+use crate::metrics::{nice_step, xml_escape};
 
 /// What is trained: the model, its sequence length and the tokens of one optimizer step.
 #[derive(Debug, Clone, PartialEq)]
@@ -851,12 +852,7 @@ pub fn write_scaling_svg(
     } else {
         (x0 - 1.0, x0 + 1.0)
     };
-    let step = [
-        1.0, 2.0, 5.0, 10.0, 20.0, 25.0, 50.0, 100.0, 200.0, 250.0, 500.0,
-    ]
-    .into_iter()
-    .find(|s| y1 / s <= 8.0)
-    .unwrap_or(1000.0);
+    let step = nice_step(y1 / 7.0);
     let y1 = ((y1 / step).ceil() * step).max(step);
     let sx = |x: f64| L + (x.log2() - x0) / (x1 - x0) * (W - L - R);
     let sy = |y: f64| T + (1.0 - y / y1) * (H - T - B);
@@ -866,7 +862,7 @@ pub fn write_scaling_svg(
 <text x="{}" y="24" text-anchor="middle" font-size="15">{}</text>
 "#,
         (W - R + L) / 2.0,
-        escape(title)
+        xml_escape(title)
     );
     let mut y = 0.0;
     while y <= y1 + 1e-9 {
@@ -898,7 +894,7 @@ pub fn write_scaling_svg(
         H - 10.0,
         (H - B + T) / 2.0,
         (H - B + T) / 2.0,
-        escape(y_label)
+        xml_escape(y_label)
     );
     for (i, (name, pts)) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
@@ -932,17 +928,11 @@ pub fn write_scaling_svg(
             W - R + 36.0,
             W - R + 42.0,
             ly + 4.0,
-            escape(name)
+            xml_escape(name)
         );
     }
     s.push_str("</svg>\n");
     std::fs::write(path, s).map_err(|e| LlamaError::Config(format!("{}: {e}", path.display())))
-}
-
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
 }
 
 #[cfg(test)]
