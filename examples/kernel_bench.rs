@@ -18,6 +18,11 @@
 //! one process: our cuBLAS linear on Burn tensors (ordering included), Burn's stock matmul, and
 //! cuBLAS called directly on raw buffers (the goal: ours at least 95 % of direct).
 //! Run `python3 scripts/torch_gemm.py` beside it for PyTorch's figure at the same shapes.
+//! `kernel_bench fp8`: the FP8 linear layer (`ops::linear_fp8` under the `tensorwise` recipe)
+//! checked against an emulation on the host (inputs scaled and rounded to E4M3 / E5M2 by
+//! `smp_burn::fp8`'s rounding model, then multiplied in f32) and against the bf16 linear, for
+//! the forward, `dx` and `dw`; then its TFLOP/s beside the bf16 linear's at the Llama 1B and 7B
+//! shapes (forward, and forward + backward).
 //! `kernel_bench gemm-fb`: where the time of `gemm`'s forward + backward column goes, at the 1B
 //! MLP shape: host time to build the forward (and the `sum`), host time inside `backward()`, and
 //! the wait for the device after it, with and without the `sum` (a backward from a tensor seeds
@@ -799,6 +804,174 @@ fn time_and_issue(iters: usize, mut f: impl FnMut()) -> (f64, f64) {
     )
 }
 
+/// `x` scaled by its amax's scale, rounded to `format` and scaled back, as an FP8 GEMM reads it.
+fn fp8_emulated(x: &[f32], format: smp_burn::fp8::Fp8Format) -> Vec<f32> {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = smp_burn::fp8::scale_for(amax, format);
+    x.iter()
+        .map(|&v| smp_burn::fp8::quantize(v, scale, format))
+        .collect()
+}
+
+/// ||a - b|| / ||b||.
+fn rms_err(a: &[f32], b: &[f32]) -> f32 {
+    let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (d / n.max(1e-30)).sqrt() as f32
+}
+
+/// The FP8 linear against its host emulation and against bf16 (see the module docs). Two
+/// layers share the input, as q/k/v do, so the second's `dx` is added into the first's by the
+/// FP8 GEMM (`beta = 1`).
+fn check_fp8() -> bool {
+    use smp_burn::fp8::{Fp8Format, Fp8Recipe};
+    let dev = device();
+    if !smp_burn::cuda::fp8::fp8_capable(0) {
+        println!("fp8: device 0 has no FP8 tensor cores; skipped");
+        return true;
+    }
+    let cpu = Default::default();
+    let mut ok = true;
+    let grads = |x: &Tensor<B, 3>, w: &Tensor<B, 2>, r: &Tensor<B, 3>, fp8: bool| {
+        smp_burn::KernelConfig::update(|c| {
+            c.fp8 = if fp8 {
+                Fp8Recipe::Tensorwise
+            } else {
+                Fp8Recipe::Off
+            }
+        })
+        .unwrap();
+        let xa = Tensor::<Ad, 3>::from_inner(x.clone()).require_grad();
+        let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
+        let y = ops::linear_fp8(xa.clone(), wa.clone());
+        let second = ops::linear_fp8(xa.clone(), wa.clone());
+        let loss = (y.clone().cast(DType::F32) * Tensor::from_inner(r.clone())).sum()
+            - (second.cast(DType::F32) * Tensor::from_inner(r.clone() * 0.5)).sum();
+        let g = loss.backward();
+        let out = [
+            host(y.inner()),
+            host(xa.grad(&g).expect("dx")),
+            host(wa.grad(&g).expect("dw")),
+        ];
+        smp_burn::KernelConfig::update(|c| c.fp8 = Fp8Recipe::Off).unwrap();
+        out
+    };
+    // Against the emulation: the GEMMs see exactly the emulated operands, so what remains is
+    // fp32 accumulation order (fast accumulation in the forward) and the bf16 output's rounding:
+    // 2e-2 of the largest value, as for the bf16 linear. Against bf16: FP8's own error, about
+    // 2^-4 / sqrt(3) relative per E4M3 operand and twice that for E5M2 gradients, so 0.06 of
+    // the norm for the forward and 0.12 for the gradients.
+    for (b, m, k, n) in [
+        (1, 16, 16, 16),
+        (2, 80, 144, 48),
+        (1, 512, 2048, 2048),
+        (1, 1024, 4096, 11008),
+    ] {
+        let x = Tensor::<B, 3>::random([b, m, k], Distribution::Normal(0.0, 1.0), &dev)
+            .cast(DType::BF16);
+        let w =
+            Tensor::<B, 2>::random([n, k], Distribution::Normal(0.0, 0.05), &dev).cast(DType::BF16);
+        let r = Tensor::<B, 3>::random([b, m, n], Distribution::Normal(0.0, 1.0), &dev)
+            .cast(DType::BF16)
+            .cast(DType::F32);
+        let ours = grads(&x, &w, &r, true);
+        let bf16 = grads(&x, &w, &r, false);
+        // The emulation on the host: y = q4(x) q4(w)^T, dx = q5(r / 2) q4(w) (the two layers'
+        // upstreams r and -r / 2 sum to r / 2; each is cast with its own scale, and halving is
+        // exact in both formats), dw = q5(r / 2)^T q4(x) likewise.
+        let (xh, wh, rh) = (host(x.clone()), host(w.clone()), host(r.clone()));
+        let (xq, wq) = (
+            fp8_emulated(&xh, Fp8Format::E4M3),
+            fp8_emulated(&wh, Fp8Format::E4M3),
+        );
+        let rq = fp8_emulated(&rh, Fp8Format::E5M2);
+        let t2 = |v: Vec<f32>, r: usize, c: usize| {
+            Tensor::<Cpu, 2>::from_data(burn::tensor::TensorData::new(v, [r, c]), &cpu)
+        };
+        let (xc, wc, rc) = (t2(xq, b * m, k), t2(wq, n, k), t2(rq, b * m, n));
+        let emulated = [
+            host(xc.clone().matmul(wc.clone().transpose())),
+            host(rc.clone().matmul(wc) * 0.5),
+            host(rc.transpose().matmul(xc) * 0.5),
+        ];
+        let names = ["y", "dx", "dw"];
+        for i in 0..3 {
+            let e_emul = rel_err(&ours[i], &emulated[i]);
+            let e_bf16 = rms_err(&ours[i], &bf16[i]);
+            let bf16_bound = if i == 0 { 0.06 } else { 0.12 };
+            let pass = e_emul <= 2e-2 && e_bf16 <= bf16_bound;
+            ok &= pass;
+            println!(
+                "fp8 linear x[{b},{m},{k}] w[{n},{k}] {}: max err vs emulation {e_emul:.2e} \
+                 (bound 2e-2), norm err vs bf16 {e_bf16:.3} (bound {bf16_bound}) {}",
+                names[i],
+                if pass { "ok" } else { "FAIL" }
+            );
+        }
+    }
+    ok
+}
+
+/// FP8 against bf16 linear layers at the Llama shapes: TFLOP/s of the forward and of
+/// forward + backward (three GEMMs plus, for FP8, the amax and cast passes).
+fn bench_fp8() {
+    use smp_burn::fp8::Fp8Recipe;
+    let dev = device();
+    if !smp_burn::cuda::fp8::fp8_capable(0) {
+        println!("fp8: device 0 has no FP8 tensor cores; skipped");
+        return;
+    }
+    println!(
+        "{:<28} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
+        "shape (tokens x in -> out)",
+        "bf16 fwd",
+        "fp8 fwd",
+        "bf16 f+b",
+        "fp8 f+b",
+        "fwd x",
+        "f+b x"
+    );
+    let shapes: [(usize, usize, usize); 7] = [
+        (4096, 2048, 2048),
+        (4096, 2048, 5632),
+        (4096, 5632, 2048),
+        (4096, 4096, 4096),
+        (4096, 4096, 11008),
+        (4096, 11008, 4096),
+        (8192, 8192, 8192),
+    ];
+    for (m, k, n) in shapes {
+        let flop = 2.0 * (m * n * k) as f64;
+        let x = Tensor::<B, 2>::random([m, k], Distribution::Default, &dev).cast(DType::BF16);
+        let w =
+            Tensor::<B, 2>::random([n, k], Distribution::Normal(0.0, 0.02), &dev).cast(DType::BF16);
+        let mut row = Vec::new();
+        for recipe in [Fp8Recipe::Off, Fp8Recipe::Tensorwise] {
+            smp_burn::KernelConfig::update(|c| c.fp8 = recipe).unwrap();
+            let fwd = time(20, || {
+                let _ = ops::linear_fp8(x.clone(), w.clone());
+            });
+            let xa = Tensor::<Ad, 2>::from_inner(x.clone()).require_grad();
+            let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
+            let fb = time(10, || {
+                let _ = ops::linear_fp8(xa.clone(), wa.clone()).backward();
+            });
+            row.push((flop / fwd / 1e12, 3.0 * flop / fb / 1e12));
+        }
+        smp_burn::KernelConfig::update(|c| c.fp8 = Fp8Recipe::Off).unwrap();
+        println!(
+            "{:<28} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>8.2} {:>8.2}",
+            format!("{m} x {k} -> {n}"),
+            row[0].0,
+            row[1].0,
+            row[0].1,
+            row[1].1,
+            row[1].0 / row[0].0,
+            row[1].1 / row[0].1
+        );
+    }
+}
+
 fn gemm() {
     let dev = device();
     let ctx = CudaContext::new(0).unwrap();
@@ -970,8 +1143,9 @@ fn main() {
     } else {
         what
     };
-    const PARTS: [&str; 8] = [
+    const PARTS: [&str; 9] = [
         "check",
+        "fp8",
         "xent",
         "embed",
         "adamw",
@@ -1011,6 +1185,10 @@ fn main() {
             }
             "attention" => ok &= check_attention(),
             "offload" => ok &= offload(),
+            "fp8" => {
+                ok &= check_fp8();
+                bench_fp8();
+            }
             "gemm" => gemm(),
             "gemm-fb" => gemm_fb(),
             _ => unreachable!("checked against PARTS above"),

@@ -204,6 +204,26 @@ fn fit_to_gpu(
     Ok(config)
 }
 
+/// Refuses an FP8 recipe when any GPU of this process lacks FP8 tensor cores.
+#[cfg(feature = "cuda")]
+fn check_fp8_gpus(fp8: smp_burn::Fp8Recipe, gpus: usize) -> Result<(), DynError> {
+    if fp8.enabled() {
+        for gpu in 0..gpus {
+            smp_burn::cuda::fp8::check_fp8_device(gpu)?;
+        }
+        tracing::info!(
+            "FP8 ({}): the blocks' linear layers run E4M3/E5M2 GEMMs through cuBLASLt",
+            fp8.name()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn check_fp8_gpus(_: smp_burn::Fp8Recipe, _: usize) -> Result<(), DynError> {
+    Ok(())
+}
+
 /// Without the `cuda` feature there is no CUDA rank to run (`run` refuses `--device cuda`
 /// before any rank starts).
 #[cfg(not(feature = "cuda"))]
@@ -413,10 +433,21 @@ fn run(resolved: ResolvedConfig) -> Result<(), DynError> {
     }
     let config = resolved.config.clone();
     // Before the first tensor: the kernel cache's directory is read when CUDA starts.
-    kernel_config(&config)?.install()?;
+    let kernels = kernel_config(&config)?;
     let cuda = config.device == "cuda";
+    if kernels.fp8.enabled() && !cuda {
+        return Err(format!(
+            "FP8 ({}) runs on CUDA GPUs of compute capability 8.9 or later: add --device cuda \
+             (or leave out --fp8 / fp8= in SMP_BURN_KERNELS)",
+            kernels.fp8.name()
+        )
+        .into());
+    }
+    let fp8 = kernels.fp8;
+    kernels.install()?;
     let launched = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
     let gpus = if cuda { cuda_setup(&config)? } else { 0 };
+    check_fp8_gpus(fp8, gpus)?;
     // Check the layout against the world size before minutes of tokenizing.
     let nproc = config.nproc_per_node.unwrap_or(if cuda { gpus } else { 1 });
     let world = if launched {

@@ -428,6 +428,12 @@ pub struct KernelSection {
     /// ~/.cache/smp-burn/cubecl).
     #[arg(long = "kernel-cache-dir", value_name = "DIR")]
     pub cache_dir: Option<PathBuf>,
+    /// FP8 linear layers in the transformer blocks: off, or tensorwise (per-tensor current
+    /// scaling, E4M3 forward and E5M2 gradients). Needs --device cuda on GPUs of compute
+    /// capability 8.9 or later (Ada, Hopper); the embedding, the LM head and the optimizer
+    /// stay as they are.
+    #[arg(long, value_name = "RECIPE")]
+    pub fp8: Option<String>,
 }
 
 impl KernelSection {
@@ -464,6 +470,9 @@ impl KernelSection {
         }
         if self.cache_dir.is_some() {
             c.cache_dir = parsed.cache_dir;
+        }
+        if self.fp8.is_some() {
+            c.fp8 = parsed.fp8;
         }
         c.validate().map_err(|e| kernel_error(&e.to_string()))?;
         Ok(c)

@@ -8,6 +8,7 @@
 //!
 //! ```text
 //! SMP_BURN_KERNELS="deterministic,fast=gemm+attention,flash_forward=mma-8x2,cache_dir=/tmp/k"
+//! SMP_BURN_KERNELS="fp8=tensorwise"
 //! ```
 //!
 //! Items are separated by commas; `fast` takes `all`, `none` or fast-path names joined by `+`
@@ -18,9 +19,10 @@ use std::sync::RwLock;
 
 use serde::Deserialize;
 
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU16, Ordering};
 
 use crate::error::SmpError;
+use crate::fp8::Fp8Recipe;
 
 /// The environment variable [`KernelConfig::from_env`] reads.
 pub const KERNELS_ENV: &str = "SMP_BURN_KERNELS";
@@ -272,9 +274,22 @@ pub fn fast_paths() -> FastPaths {
     KernelConfig::current().fast_paths
 }
 
+/// [`KernelConfig::fp8`] as its index in [`Fp8Recipe::ALL`] plus one; 0 = not yet read.
+static FP8: AtomicU8 = AtomicU8::new(0);
+
+/// The FP8 recipe in force: [`KernelConfig::current`]'s, without taking its lock.
+pub fn fp8_recipe() -> Fp8Recipe {
+    match FP8.load(Ordering::Relaxed) {
+        0 => KernelConfig::current().fp8,
+        i => Fp8Recipe::ALL[usize::from(i) - 1],
+    }
+}
+
 /// Called whenever the configuration in force changes.
-fn cache_fast_paths(p: FastPaths) {
-    FLAGS.store(p.bits(), Ordering::Relaxed);
+fn cache_fast_paths(c: &KernelConfig) {
+    FLAGS.store(c.fast_paths.bits(), Ordering::Relaxed);
+    let fp8 = Fp8Recipe::ALL.iter().position(|r| *r == c.fp8).unwrap_or(0);
+    FP8.store(fp8 as u8 + 1, Ordering::Relaxed);
 }
 
 /// Every kernel tunable; see the [module documentation](self).
@@ -294,6 +309,8 @@ pub struct KernelConfig {
     /// Where compiled kernels are cached; `None`: `$XDG_CACHE_HOME/smp-burn/cubecl`, else
     /// `$HOME/.cache/smp-burn/cubecl`.
     pub cache_dir: Option<PathBuf>,
+    /// The FP8 recipe of the parallel linear layers ([`crate::fp8`]); off by default.
+    pub fp8: Fp8Recipe,
 }
 
 impl Default for KernelConfig {
@@ -304,6 +321,7 @@ impl Default for KernelConfig {
             flash_forward: None,
             flash_backward: None,
             cache_dir: None,
+            fp8: Fp8Recipe::Off,
         }
     }
 }
@@ -317,6 +335,7 @@ struct KernelConfigToml {
     flash_forward: Option<String>,
     flash_backward: Option<String>,
     cache_dir: Option<PathBuf>,
+    fp8: Option<String>,
 }
 
 impl TryFrom<KernelConfigToml> for KernelConfig {
@@ -336,6 +355,9 @@ impl TryFrom<KernelConfigToml> for KernelConfig {
         }
         if let Some(b) = t.flash_backward {
             c.set("flash_backward", &b)?;
+        }
+        if let Some(r) = t.fp8 {
+            c.set("fp8", &r)?;
         }
         c.validate()?;
         Ok(c)
@@ -359,7 +381,7 @@ impl KernelConfig {
 
     /// The defaults with the comma-separated items of `spec` applied: `deterministic` (or
     /// `deterministic=false`), `fast=all|none|name+name..`, `flash_forward=NAME`,
-    /// `flash_backward=NAME`, `cache_dir=PATH`.
+    /// `flash_backward=NAME`, `cache_dir=PATH`, `fp8=off|tensorwise`.
     pub fn parse(spec: &str) -> Result<Self, SmpError> {
         let mut c = Self::default();
         for item in spec.split(',').map(str::trim).filter(|i| !i.is_empty()) {
@@ -403,10 +425,14 @@ impl KernelConfig {
             }
             "cache_dir" if !value.is_empty() => self.cache_dir = Some(PathBuf::from(value)),
             "cache_dir" => return Err(bad("a directory".into())),
+            "fp8" => {
+                self.fp8 = Fp8Recipe::parse(value)
+                    .ok_or_else(|| bad(one_of(Fp8Recipe::ALL.iter().map(|r| r.name()))))?
+            }
             other => {
                 return Err(SmpError::Config(format!(
                     "unknown kernel setting {other:?} (known: deterministic, fast, \
-                     flash_forward, flash_backward, cache_dir)"
+                     flash_forward, flash_backward, cache_dir, fp8)"
                 )));
             }
         }
@@ -430,7 +456,7 @@ impl KernelConfig {
     /// tensor is created.
     pub fn install(self) -> Result<(), SmpError> {
         self.validate()?;
-        cache_fast_paths(self.fast_paths);
+        cache_fast_paths(&self);
         *CURRENT.write().unwrap_or_else(|e| e.into_inner()) = Some(self);
         Ok(())
     }
@@ -448,7 +474,7 @@ impl KernelConfig {
         }
         let mut slot = CURRENT.write().unwrap_or_else(|e| e.into_inner());
         let c = slot.get_or_insert_with(|| Self::from_env().unwrap_or_else(|e| panic!("{e}")));
-        cache_fast_paths(c.fast_paths);
+        cache_fast_paths(c);
         c.clone()
     }
 
@@ -523,7 +549,7 @@ mod tests {
     fn parses_every_item() {
         let c = KernelConfig::parse(
             "deterministic, fast=gemm+attention, flash_forward=mma-4x2, \
-             flash_backward=split, cache_dir=/tmp/k",
+             flash_backward=split, cache_dir=/tmp/k, fp8=tensorwise",
         )
         .unwrap();
         assert!(c.deterministic);
@@ -531,6 +557,7 @@ mod tests {
         assert_eq!(c.flash_forward, Some(FlashForward::Mma4x2));
         assert_eq!(c.flash_backward, Some(FlashBackward::Split));
         assert_eq!(c.cache_dir, Some(PathBuf::from("/tmp/k")));
+        assert_eq!(c.fp8, Fp8Recipe::Tensorwise);
         assert_eq!(KernelConfig::parse("").unwrap(), KernelConfig::default());
         for t in FlashForward::ALL {
             assert_eq!(FlashForward::parse(t.name()), Some(t));
@@ -552,6 +579,8 @@ mod tests {
             e.contains("determinstic") && e.contains("deterministic"),
             "{e}"
         );
+        let e = msg("fp8=e4m3");
+        assert!(e.contains("e4m3") && e.contains("tensorwise"), "{e}");
         let e = msg("deterministic=maybe");
         assert!(e.contains("maybe"), "{e}");
         let e = msg("deterministic,flash_backward=atomic");

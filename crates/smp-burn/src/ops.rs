@@ -28,6 +28,22 @@ pub fn linear<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 2>)
     x.matmul(weight.transpose().unsqueeze())
 }
 
+/// [`linear`] with FP8 GEMMs when the installed [`crate::KernelConfig::fp8`] recipe asks for
+/// them and the backend, device, dtypes and shapes allow ([`crate::cuda::fp8`]); otherwise
+/// exactly [`linear`]. The parallel linear layers of [`crate::tp::layers`] take this path, so
+/// a transformer block's projections run in FP8 while the LM head (through
+/// [`linear_cross_entropy`]) and everything else keep their dtype, as Transformer Engine's
+/// recipes do.
+pub fn linear_fp8<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+) -> Tensor<B, D> {
+    if let Some(y) = crate::fast::linear_fp8(&x, &weight) {
+        return y;
+    }
+    linear(x, weight)
+}
+
 /// `weight[ids]`: rows of a `[vocab, dim]` table for `[batch, seq]` token ids. On CUDA with
 /// autodiff the table's gradient comes from one deterministic kernel (see [`crate::fast`]).
 pub fn embedding<B: Backend>(weight: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {

@@ -178,7 +178,7 @@ impl Operand {
 }
 
 /// One column-major GEMM `C[m,n] = op(A) op(B)`, or `C += op(A) op(B)` with `accumulate`.
-struct GemmCall {
+pub(super) struct GemmCall {
     accumulate: bool,
     trans_a: bool,
     trans_b: bool,
@@ -188,6 +188,22 @@ struct GemmCall {
     a: Operand,
     b: Operand,
     c: Operand,
+}
+
+/// One unit of work queued on Burn's stream by [`submit_steps`]: a cuBLAS GEMM in the compute
+/// dtype, or a step of an FP8 layer (casts and cuBLASLt GEMMs, [`super::fp8`]).
+pub(super) enum Step {
+    Gemm(GemmCall),
+    Fp8(super::fp8::Fp8Step),
+}
+
+impl Step {
+    fn bindings(&self) -> Vec<&Binding> {
+        match self {
+            Self::Gemm(c) => vec![&c.a.binding, &c.b.binding, &c.c.binding],
+            Self::Fp8(s) => s.bindings(),
+        }
+    }
 }
 
 /// The first cuBLAS failure of any GEMM issued so far, as an error that names the device and
@@ -225,6 +241,11 @@ fn check_async_errors(device: usize) {
 /// to six per linear layer), each waiting until the server has launched everything queued
 /// before it: the rank thread could never run ahead of the server.
 fn submit_ordered(device: usize, dtype: BurnDType, calls: Vec<GemmCall>) {
+    submit_steps(device, dtype, calls.into_iter().map(Step::Gemm).collect());
+}
+
+/// [`submit_ordered`] for any steps; `dtype` is that of the cuBLAS GEMMs among them.
+pub(super) fn submit_steps(device: usize, dtype: BurnDType, calls: Vec<Step>) {
     check_async_errors(device);
     let dt =
         cublas_dtype(dtype).unwrap_or_else(|| panic!("cuBLAS linear: unsupported dtype {dtype:?}"));
@@ -389,7 +410,7 @@ fn issue_on_server(
     device: usize,
     dt: cbs::cudaDataType,
     after: Option<(Binding, u32)>,
-    calls: &[GemmCall],
+    calls: &[Step],
 ) -> Result<(), SmpError> {
     let e = engine(device)?;
     let stream = StreamId::current();
@@ -420,7 +441,14 @@ fn issue_on_server(
         }
         None => e.bridge.server_to_comm()?,
     }
-    issue_gemms(*e.blas.handle(), dt, calls, &mut ptr)?;
+    issue_steps(
+        *e.blas.handle(),
+        e.bridge.stream(),
+        device,
+        dt,
+        calls,
+        &mut ptr,
+    )?;
     // Kernels launched after this (by the server, in queue order) wait for the GEMMs, so the
     // operands' memory may be reused once the bindings drop.
     e.bridge.comm_to_burn()
@@ -448,12 +476,10 @@ fn issue_on_launch_stream(
     device: usize,
     dt: cbs::cudaDataType,
     stream: StreamId,
-    calls: &[GemmCall],
+    calls: &[Step],
 ) -> Result<(), SmpError> {
     let e = engine(device)?;
-    let bindings = calls
-        .iter()
-        .flat_map(|c| [&c.a.binding, &c.b.binding, &c.c.binding]);
+    let bindings = calls.iter().flat_map(Step::bindings);
     let cu_stream = server
         .launch_stream(stream, bindings)
         .map_err(|err| cuda_err("resolving Burn's stream for cuBLAS", err))?;
@@ -462,7 +488,7 @@ fn issue_on_launch_stream(
     let mut ptr = |binding: &Binding| device_ptr(server, binding, stream);
     // Later kernels on the stream follow the GEMMs, so the operands' memory may be reused once
     // the bindings drop.
-    issue_gemms(handle, dt, calls, &mut ptr)
+    issue_steps(handle, cu_stream, device, dt, calls, &mut ptr)
 }
 
 /// Without vendor/cubecl-cuda [`gemm_ordering`] never picks [`GemmOrdering::Stream`], so this
@@ -473,20 +499,22 @@ fn issue_on_launch_stream(
     _device: usize,
     _dt: cbs::cudaDataType,
     _stream: StreamId,
-    _calls: &[GemmCall],
+    _calls: &[Step],
 ) -> Result<(), SmpError> {
     Err(SmpError::Cuda(
         "issuing GEMMs on Burn's stream needs the workspace's vendor/cubecl-cuda".into(),
     ))
 }
 
-/// Issues `calls` with cuBLAS `handle` (bound to the stream they must run on), resolving each
-/// operand's device address with `ptr`, which also returns a guard that keeps the buffer
-/// alive until the call is issued.
-fn issue_gemms<G>(
+/// Issues `steps` on `stream` of `device`, the GEMMs with cuBLAS `handle` (bound to that
+/// stream), resolving each operand's device address with `ptr`, which also returns a guard
+/// that keeps the buffer alive until the step is issued.
+fn issue_steps<G>(
     handle: cbs::cublasHandle_t,
+    stream: ds::CUstream,
+    device: usize,
     dt: cbs::cudaDataType,
-    calls: &[GemmCall],
+    steps: &[Step],
     ptr: &mut impl FnMut(&Binding) -> Result<(u64, G), SmpError>,
 ) -> Result<(), SmpError> {
     let op = |t: bool| {
@@ -500,7 +528,14 @@ fn issue_gemms<G>(
         i32::try_from(v).map_err(|_| SmpError::Cuda(format!("GEMM dimension {v} exceeds i32")))
     };
     let (alpha, overwrite, add) = (1.0f32, 0.0f32, 1.0f32);
-    for c in calls {
+    for step in steps {
+        let c = match step {
+            Step::Gemm(c) => c,
+            Step::Fp8(s) => {
+                s.issue(device, stream, ptr)?;
+                continue;
+            }
+        };
         let ((a, _ga), (b, _gb), (out, _gc)) =
             (ptr(&c.a.binding)?, ptr(&c.b.binding)?, ptr(&c.c.binding)?);
         // SAFETY: the pointers come from live allocations (the bindings hold them) of at least

@@ -9,7 +9,8 @@
 //! - [`bridge`]: runs a kernel on the CubeCL tensors behind either CUDA backend (directly on
 //!   [`CudaCube`], as a fusion custom op on `burn::backend::Cuda`).
 //! - the kernels: [`gemm`] (cuBLAS on Burn's stream), [`flash`] and its autodiff op
-//!   [`attention`], [`fused`] (RMSNorm, RoPE, SwiGLU), [`xent`] and [`embedding`] (the LM-head
+//!   [`attention`], [`fp8`] (FP8 linear layers: casts and cuBLASLt GEMMs), [`fused`] (RMSNorm,
+//!   RoPE, SwiGLU), [`xent`] and [`embedding`] (the LM-head
 //!   loss and the embedding gradient), [`flat`] and [`adamw`] (FSDP's flat gradients and the
 //!   optimizer step on shards), and `accumulate` (gradients summed in place).
 //!
@@ -25,6 +26,7 @@ pub mod device;
 pub mod embedding;
 pub mod flash;
 pub mod flat;
+pub mod fp8;
 pub mod fused;
 pub mod gemm;
 mod kernel_cache;

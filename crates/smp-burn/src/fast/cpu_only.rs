@@ -18,6 +18,22 @@ pub(crate) fn linear<B: Backend, const D: usize>(
     None
 }
 
+pub(crate) fn linear_fp8<B: Backend, const D: usize>(
+    _: &Tensor<B, D>,
+    _: &Tensor<B, 2>,
+) -> Option<Tensor<B, D>> {
+    if crate::kernel_config::fp8_recipe().enabled() {
+        static NOTED: std::sync::Once = std::sync::Once::new();
+        NOTED.call_once(|| {
+            tracing::warn!(
+                "FP8 recipe on, but this build has no CUDA: linear layers compute in their \
+                 own dtype"
+            )
+        });
+    }
+    None
+}
+
 pub(crate) fn causal_attention<B: Backend>(
     _: &Tensor<B, 4>,
     _: &Tensor<B, 4>,

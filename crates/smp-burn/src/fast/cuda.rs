@@ -94,6 +94,69 @@ pub(crate) fn linear<B: Backend, const D: usize>(
     Some(y)
 }
 
+/// `x w^T` with FP8 GEMMs ([`crate::cuda::fp8`]) when the installed recipe asks for it and
+/// `B` is [`CudaCube`] (with or without autodiff) on an FP8 GPU with bf16 operands of
+/// FP8-friendly shapes; `None` means "use [`linear`]". A recipe that cannot be honoured is
+/// logged once per reason.
+pub(crate) fn linear_fp8<B: Backend, const D: usize>(
+    x: &Tensor<B, D>,
+    w: &Tensor<B, 2>,
+) -> Option<Tensor<B, D>> {
+    use crate::cuda::fp8;
+    if !crate::kernel_config::fp8_recipe().enabled() {
+        return None;
+    }
+    let served = served::<B>();
+    let dims = x.dims();
+    let supported = matches!(served, Some(Served::CubeAutodiff | Served::Cube))
+        && fp8::fp8_linear_supported(
+            x.dtype(),
+            w.dtype(),
+            dims[..D - 1].iter().product(),
+            dims[D - 1],
+            w.dims(),
+            same::<B::Device, burn_cuda::CudaDevice>(x.device()).index,
+        );
+    if !supported {
+        note_fp8_fallback(x, w);
+        return None;
+    }
+    Some(match served {
+        Some(Served::CubeAutodiff) => same(fp8::linear_fp8_autodiff::<D>(
+            same(x.clone()),
+            same(w.clone()),
+        )),
+        _ => same(fp8::linear_fp8_plain::<D>(same(x.clone()), same(w.clone()))),
+    })
+}
+
+/// Logs once per backend, dtype and shape why a linear layer stays out of FP8 under an FP8
+/// recipe: the user asked for FP8 and must know where it does not apply.
+fn note_fp8_fallback<B: Backend, const D: usize>(x: &Tensor<B, D>, w: &Tensor<B, 2>) {
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock};
+    static SEEN: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let what = format!(
+        "{} {:?} x{:?} w{:?}",
+        std::any::type_name::<B>(),
+        x.dtype(),
+        x.dims(),
+        w.dims()
+    );
+    let mut seen = SEEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if seen.insert(what.clone()) {
+        tracing::warn!(
+            "FP8 recipe on, but this linear layer computes in {:?}: {what} (FP8 needs \
+             smp_burn::cuda::CudaCube on a GPU of compute capability 8.9+, bf16 operands and \
+             every dimension a multiple of 16)",
+            x.dtype()
+        );
+    }
+}
+
 /// Causal grouped-query attention through the flash kernels when `B` is the CUDA backend and
 /// the shapes, dtypes and device allow; `None` means "use the reference".
 pub(crate) fn causal_attention<B: Backend>(

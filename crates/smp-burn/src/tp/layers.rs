@@ -168,21 +168,31 @@ pub struct ColumnParallelLinear<B: Backend> {
 }
 
 impl<B: Backend> ColumnParallelLinear<B> {
-    /// `x W^T + b` for this rank's output features: `[batch, seq, out / tp]`.
+    /// `x W^T + b` for this rank's output features: `[batch, seq, out / tp]`, in FP8 under an
+    /// FP8 recipe ([`ops::linear_fp8`]).
     pub fn forward(&self, x: &Gathered<B>) -> Tensor<B, 3> {
-        self.tp.check();
-        let y = ops::linear(x.tensor.clone(), self.weight.val());
-        match &self.bias {
-            Some(b) => y + b.val().unsqueeze::<3>(),
-            None => y,
-        }
+        self.project(x, ops::linear_fp8)
     }
 
     /// [`Self::forward`] with the output features of every rank gathered, `[batch, seq, out]`
     /// (Megatron's `gather_output = True`; backward: this rank's slice of the gradient). For
-    /// full-vocabulary logits when sampling.
+    /// full-vocabulary logits when sampling: always in the compute dtype, as an LM head is
+    /// under FP8 recipes.
     pub fn forward_gathered(&self, x: &Gathered<B>) -> Tensor<B, 3> {
-        gather_last_dim(self.forward(x), &self.tp)
+        gather_last_dim(self.project(x, ops::linear), &self.tp)
+    }
+
+    fn project(
+        &self,
+        x: &Gathered<B>,
+        linear: fn(Tensor<B, 3>, Tensor<B, 2>) -> Tensor<B, 3>,
+    ) -> Tensor<B, 3> {
+        self.tp.check();
+        let y = linear(x.tensor.clone(), self.weight.val());
+        match &self.bias {
+            Some(b) => y + b.val().unsqueeze::<3>(),
+            None => y,
+        }
     }
 
     /// The group the layer is split over.
@@ -210,7 +220,7 @@ impl<B: Backend> RowParallelLinear<B> {
     /// parallelism, `[batch, seq, out]` without.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         self.tp.check();
-        let partial = ops::linear(x, self.weight.val());
+        let partial = ops::linear_fp8(x, self.weight.val());
         let mapping = if self.tp.sequence_parallel() {
             Mapping::ReduceScatterSequence
         } else {
