@@ -832,19 +832,16 @@ fn check_fp8() -> bool {
     }
     let cpu = Default::default();
     let mut ok = true;
-    let grads = |x: &Tensor<B, 3>, w: &Tensor<B, 2>, r: &Tensor<B, 3>, fp8: bool| {
-        smp_burn::KernelConfig::update(|c| {
-            c.fp8 = if fp8 {
-                Fp8Recipe::Tensorwise
-            } else {
-                Fp8Recipe::Off
-            }
-        })
-        .unwrap();
+    let grads = |x: &Tensor<B, 3>,
+                 w: &Tensor<B, 2>,
+                 r: &Tensor<B, 3>,
+                 recipe: Fp8Recipe,
+                 layers: [burn::module::ParamId; 2]| {
+        smp_burn::KernelConfig::update(|c| c.fp8 = recipe).unwrap();
         let xa = Tensor::<Ad, 3>::from_inner(x.clone()).require_grad();
         let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
-        let y = ops::linear_fp8(xa.clone(), wa.clone());
-        let second = ops::linear_fp8(xa.clone(), wa.clone());
+        let y = ops::linear_fp8(xa.clone(), wa.clone(), layers[0]);
+        let second = ops::linear_fp8(xa.clone(), wa.clone(), layers[1]);
         let loss = (y.clone().cast(DType::F32) * Tensor::from_inner(r.clone())).sum()
             - (second.cast(DType::F32) * Tensor::from_inner(r.clone() * 0.5)).sum();
         let g = loss.backward();
@@ -874,8 +871,26 @@ fn check_fp8() -> bool {
         let r = Tensor::<B, 3>::random([b, m, n], Distribution::Normal(0.0, 1.0), &dev)
             .cast(DType::BF16)
             .cast(DType::F32);
-        let ours = grads(&x, &w, &r, true);
-        let bf16 = grads(&x, &w, &r, false);
+        let fresh = || [burn::module::ParamId::new(), burn::module::ParamId::new()];
+        let bf16 = grads(&x, &w, &r, Fp8Recipe::Off, fresh());
+        // Delayed scaling twice on the same layers: first from a measured amax, then from the
+        // history (the same amax again, measured inside the previous casts), so both runs
+        // must match the current-scaling emulation.
+        let delayed = fresh();
+        let runs = [
+            (
+                "tensorwise",
+                grads(&x, &w, &r, Fp8Recipe::Tensorwise, fresh()),
+            ),
+            (
+                "delayed 1st",
+                grads(&x, &w, &r, Fp8Recipe::Delayed, delayed),
+            ),
+            (
+                "delayed 2nd",
+                grads(&x, &w, &r, Fp8Recipe::Delayed, delayed),
+            ),
+        ];
         // The emulation on the host: y = q4(x) q4(w)^T, dx = q5(r / 2) q4(w) (the two layers'
         // upstreams r and -r / 2 sum to r / 2; each is cast with its own scale, and halving is
         // exact in both formats), dw = q5(r / 2)^T q4(x) likewise.
@@ -895,18 +910,21 @@ fn check_fp8() -> bool {
             host(rc.transpose().matmul(xc) * 0.5),
         ];
         let names = ["y", "dx", "dw"];
-        for i in 0..3 {
-            let e_emul = rel_err(&ours[i], &emulated[i]);
-            let e_bf16 = rms_err(&ours[i], &bf16[i]);
-            let bf16_bound = if i == 0 { 0.06 } else { 0.12 };
-            let pass = e_emul <= 2e-2 && e_bf16 <= bf16_bound;
-            ok &= pass;
-            println!(
-                "fp8 linear x[{b},{m},{k}] w[{n},{k}] {}: max err vs emulation {e_emul:.2e} \
-                 (bound 2e-2), norm err vs bf16 {e_bf16:.3} (bound {bf16_bound}) {}",
-                names[i],
-                if pass { "ok" } else { "FAIL" }
-            );
+        for (recipe, ours) in &runs {
+            for i in 0..3 {
+                let e_emul = rel_err(&ours[i], &emulated[i]);
+                let e_bf16 = rms_err(&ours[i], &bf16[i]);
+                let bf16_bound = if i == 0 { 0.06 } else { 0.12 };
+                let pass = e_emul <= 2e-2 && e_bf16 <= bf16_bound;
+                ok &= pass;
+                println!(
+                    "fp8 {recipe} x[{b},{m},{k}] w[{n},{k}] {}: max err vs emulation \
+                     {e_emul:.2e} (bound 2e-2), norm err vs bf16 {e_bf16:.3} (bound \
+                     {bf16_bound}) {}",
+                    names[i],
+                    if pass { "ok" } else { "FAIL" }
+                );
+            }
         }
     }
     ok
@@ -946,30 +964,37 @@ fn bench_fp8() {
         let w =
             Tensor::<B, 2>::random([n, k], Distribution::Normal(0.0, 0.02), &dev).cast(DType::BF16);
         let mut row = Vec::new();
-        for recipe in [Fp8Recipe::Off, Fp8Recipe::Tensorwise] {
+        for recipe in [Fp8Recipe::Off, Fp8Recipe::Tensorwise, Fp8Recipe::Delayed] {
             smp_burn::KernelConfig::update(|c| c.fp8 = recipe).unwrap();
+            let layer = burn::module::ParamId::new();
             let fwd = time(20, || {
-                let _ = ops::linear_fp8(x.clone(), w.clone());
+                let _ = ops::linear_fp8(x.clone(), w.clone(), layer);
             });
             let xa = Tensor::<Ad, 2>::from_inner(x.clone()).require_grad();
             let wa = Tensor::<Ad, 2>::from_inner(w.clone()).require_grad();
             let fb = time(10, || {
-                let _ = ops::linear_fp8(xa.clone(), wa.clone()).backward();
+                let _ = ops::linear_fp8(xa.clone(), wa.clone(), layer).backward();
             });
             row.push((flop / fwd / 1e12, 3.0 * flop / fb / 1e12));
         }
         smp_burn::KernelConfig::update(|c| c.fp8 = Fp8Recipe::Off).unwrap();
         println!(
-            "{:<28} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>8.2} {:>8.2}",
+            "{:<24} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>7.2}",
             format!("{m} x {k} -> {n}"),
             row[0].0,
             row[1].0,
+            row[2].0,
             row[0].1,
             row[1].1,
-            row[1].0 / row[0].0,
-            row[1].1 / row[0].1
+            row[2].1,
+            row[1].1 / row[0].1,
+            row[2].1 / row[0].1
         );
     }
+    println!(
+        "(TFLOP/s; tw = FP8 tensorwise, dl = FP8 delayed; f+b = forward + dx + dw, casts \
+         included; x = f+b against bf16)"
+    );
 }
 
 fn gemm() {

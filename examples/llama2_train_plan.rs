@@ -86,6 +86,10 @@ pub struct PlanArgs {
     /// Predict with this many recomputed layers instead of the fewest that fit.
     #[arg(long)]
     recomputed: Option<usize>,
+    /// Only layouts with (true) or without (false) FP8 linear layers (offered where the GPU
+    /// has FP8 tensor cores and the calibration measured FP8's speedup).
+    #[arg(long, value_name = "BOOL")]
+    fp8: Option<bool>,
     /// Share of the collectives' time beside compute that is hidden (default: the calibration's,
     /// 0.3 as measured on two H200s; 1 is perfect overlap).
     #[arg(long)]
@@ -220,6 +224,7 @@ fn restrict(
         args.tp.is_none_or(|t| l.tp == t)
             && args.sdp.is_none_or(|d| l.sdp == d)
             && args.micro_batch.is_none_or(|m| l.micro_batch == m)
+            && args.fp8.is_none_or(|f| l.fp8 == f)
     };
     ranked
         .into_iter()
@@ -508,7 +513,8 @@ fn detect_gpu() -> Result<Gpu, DynError> {
         memory_bytes: smp_burn::cuda::cuda_device_memory(0).unwrap_or(0),
         name,
         peak_bf16_flops: peak,
-        peak_fp8_flops: None,
+        // Ada's and Hopper's FP8 tensor cores run at twice their bf16 rate.
+        peak_fp8_flops: smp_burn::cuda::fp8::fp8_capable(0).then_some(2.0 * peak),
     })
 }
 
@@ -561,6 +567,8 @@ pub fn auto_layout(
                     })
             && (!explicit("micro_batch") || l.micro_batch == config.micro_batch)
             && (!explicit("parallel.activation_offloading") || l.offload == p.activation_offloading)
+            // FP8 changes the numerics: the planner follows the run's recipe, never picks it.
+            && l.fp8 == smp_burn::kernel_config::fp8_recipe().enabled()
     };
     let ranked = plan::search(&workload, &cluster, &calibration);
     let best = ranked
@@ -608,7 +616,7 @@ pub fn auto_layout(
     }
     tracing::info!(
         "planner (--auto): tp {}, shard degree {}, {} replica(s), micro-batch {} x {}, {} layer(s) \
-         recomputed{}; predicts {:.3} s per step ({:.3} compute, {:.3} exposed communication), \
+         recomputed{}{}; predicts {:.3} s per step ({:.3} compute, {:.3} exposed communication), \
          {:.0} tokens/s, {:.1} GiB per GPU",
         l.tp,
         l.sdp,
@@ -617,6 +625,7 @@ pub fn auto_layout(
         best.micro_batches,
         l.recomputed_layers,
         if l.offload { ", offloaded" } else { "" },
+        if l.fp8 { ", FP8 linear layers" } else { "" },
         best.step_s,
         best.compute_s,
         best.exposed_comm_s,

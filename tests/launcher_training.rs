@@ -239,6 +239,34 @@ fn launched_ranks_reject_a_bad_hybrid_shard_degree() {
     assert!(o.stderr.contains("smp-run: rank"), "{o}");
 }
 
+/// FP8 asked for on the CPU is refused before any work, saying what it needs, whether from the
+/// flag or the environment's kernel settings, and the output directory stays untouched.
+#[test]
+fn fp8_on_the_cpu_is_refused() {
+    let bins = binaries();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = corpus_file(dir.path());
+    let out = dir.path().join("fp8");
+    for (flag, env) in [(Some("tensorwise"), None), (None, Some("fp8=delayed"))] {
+        let mut cmd = Command::new(&bins.llama2_train);
+        cmd.args(train_args(&data, &out));
+        if let Some(recipe) = flag {
+            cmd.args(["--fp8", recipe]);
+        }
+        if let Some(spec) = env {
+            cmd.env("SMP_BURN_KERNELS", spec);
+        }
+        let o = run_with_deadline(&mut cmd, Duration::from_secs(60));
+        assert!(!o.status.success(), "expected a refusal: {o}");
+        let recipe = flag.unwrap_or("delayed");
+        assert!(
+            o.stderr.contains(&format!("FP8 ({recipe})")) && o.stderr.contains("--device cuda"),
+            "{o}"
+        );
+        assert!(!out.exists(), "the refused run wrote {}", out.display());
+    }
+}
+
 /// The per-step losses of a run without evaluation (`--eval-interval 0`).
 fn plain_losses(out_dir: &Path, steps: usize, what: &str) -> Vec<f64> {
     let metrics =

@@ -2538,6 +2538,21 @@ mod tests {
         };
         let e = bad.apply(KernelConfig::default()).unwrap_err().to_string();
         assert!(e.contains("grid"), "{e}");
+        // FP8: the flag's recipe over the environment's; an unknown recipe is named.
+        let fp8 = KernelSection {
+            fp8: Some("tensorwise".into()),
+            ..Default::default()
+        };
+        let c = fp8
+            .apply(KernelConfig::parse("fp8=delayed").unwrap())
+            .unwrap();
+        assert_eq!(c.fp8, smp_burn::Fp8Recipe::Tensorwise);
+        let bad = KernelSection {
+            fp8: Some("e4m3".into()),
+            ..Default::default()
+        };
+        let e = bad.apply(KernelConfig::default()).unwrap_err().to_string();
+        assert!(e.contains("e4m3") && e.contains("tensorwise"), "{e}");
     }
 
     /// The example of docs/configuration.md is a valid configuration, with the derived

@@ -19,17 +19,24 @@ pub enum Fp8Recipe {
     /// Current scaling: each tensor's scale comes from its own amax, read by a pass over it
     /// just before the cast (torchao's default float8 recipe, TE's `Float8CurrentScaling`).
     Tensorwise,
+    /// Delayed scaling (Transformer Engine's default, `DelayedScaling` with the `max`
+    /// algorithm): each layer keeps, per tensor, the amaxes of its last 16 casts
+    /// ([`AmaxHistory`]) on the device; a cast takes its scale from their maximum and measures
+    /// its own amax in the same pass, so no separate amax pass is read. The first cast of each
+    /// tensor measures its amax first (a scale of 1 would flush small gradients to zero).
+    Delayed,
 }
 
 impl Fp8Recipe {
     /// Every recipe, in [`Self::name`] order.
-    pub const ALL: [Fp8Recipe; 2] = [Self::Off, Self::Tensorwise];
+    pub const ALL: [Fp8Recipe; 3] = [Self::Off, Self::Tensorwise, Self::Delayed];
 
     /// The name [`Self::parse`] takes.
     pub fn name(self) -> &'static str {
         match self {
             Self::Off => "off",
             Self::Tensorwise => "tensorwise",
+            Self::Delayed => "delayed",
         }
     }
 
@@ -288,6 +295,7 @@ mod tests {
         }
         assert_eq!(Fp8Recipe::parse("delayed-ish"), None);
         assert!(!Fp8Recipe::Off.enabled() && Fp8Recipe::Tensorwise.enabled());
+        assert!(Fp8Recipe::Delayed.enabled());
         assert!(fp8_shape_supported(4096, 4096, 11008));
         assert!(!fp8_shape_supported(4096, 4096, 11000));
     }

@@ -30,15 +30,17 @@ pub fn linear<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 2>)
 
 /// [`linear`] with FP8 GEMMs when the installed [`crate::KernelConfig::fp8`] recipe asks for
 /// them and the backend, device, dtypes and shapes allow ([`crate::cuda::fp8`]); otherwise
-/// exactly [`linear`]. The parallel linear layers of [`crate::tp::layers`] take this path, so
-/// a transformer block's projections run in FP8 while the LM head (through
+/// exactly [`linear`]. `layer` names the layer across steps (its weight's id): delayed scaling
+/// keeps its amax histories under it. The parallel linear layers of [`crate::tp::layers`] take
+/// this path, so a transformer block's projections run in FP8 while the LM head (through
 /// [`linear_cross_entropy`]) and everything else keep their dtype, as Transformer Engine's
 /// recipes do.
 pub fn linear_fp8<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: Tensor<B, 2>,
+    layer: burn::module::ParamId,
 ) -> Tensor<B, D> {
-    if let Some(y) = crate::fast::linear_fp8(&x, &weight) {
+    if let Some(y) = crate::fast::linear_fp8(&x, &weight, layer) {
         return y;
     }
     linear(x, weight)

@@ -86,6 +86,30 @@ extern "C" __global__ void smp_fp8_amax(const bf16_t* __restrict__ x, unsigned l
     }
 }
 
+// Delayed scaling's state per tensor: [amax of the casts since the last roll, ring position,
+// scale, descale, ring of the last HISTORY amaxes] (u32 words, floats as bits).
+#define HISTORY 16
+extern "C" __global__ void smp_fp8_roll(unsigned* state, float fmax) {
+    unsigned pos = state[1];
+    state[4 + pos] = state[0];
+    state[0] = 0u;
+    state[1] = (pos + 1) % HISTORY;
+    float m = 0.0f;
+    bool overflow = false;
+    for (int i = 0; i < HISTORY; i++) {
+        float a = __uint_as_float(state[4 + i]);
+        if (!(a <= 3.402823466e38f)) overflow = true; else m = fmaxf(m, a);
+    }
+    float s = overflow ? __int_as_float(0x7fffffff) : (m == 0.0f ? 1.0f : fmax / m);
+    state[2] = __float_as_uint(s);
+    state[3] = __float_as_uint(1.0f / s);
+}
+
+__device__ __forceinline__ float abs_max4(unsigned lo2, unsigned hi2) {
+    return fmaxf(fmaxf(fabsf(__uint_as_float(lo2 << 16)), fabsf(__uint_as_float(lo2 & 0xffff0000u))),
+                 fmaxf(fabsf(__uint_as_float(hi2 << 16)), fabsf(__uint_as_float(hi2 & 0xffff0000u))));
+}
+
 template <bool E5M2>
 __device__ __forceinline__ unsigned cvt4(unsigned lo2, unsigned hi2, float s) {
     float f0 = __uint_as_float(lo2 << 16) * s, f1 = __uint_as_float(lo2 & 0xffff0000u) * s;
@@ -102,13 +126,17 @@ __device__ __forceinline__ unsigned cvt4(unsigned lo2, unsigned hi2, float s) {
 }
 
 // rows and cols are multiples of 4; grid (ceil(cols / 64), ceil(rows / 64)), 256 threads.
+// The scale comes from `amax`, or with a delayed-scaling `history` from its state, and then the
+// amax of this tensor is max-reduced into the state for the next roll.
 template <bool E5M2>
 __device__ void cast_tile(const bf16_t* __restrict__ x, int rows, int cols,
-                          const unsigned* __restrict__ amax, float fmax,
-                          unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
-                          float* __restrict__ descale) {
+                          const unsigned* __restrict__ amax, unsigned* __restrict__ history,
+                          float fmax, unsigned char* __restrict__ out,
+                          unsigned char* __restrict__ out_t, float* __restrict__ descale) {
     __shared__ unsigned tile[64][17];
-    float s = fp8_scale(amax, fmax);
+    __shared__ float warp_max[8];
+    float s = history ? __uint_as_float(history[2]) : fp8_scale(amax, fmax);
+    float m = 0.0f;
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *descale = 1.0f / s;
     int r0 = blockIdx.y * 64, c0 = blockIdx.x * 64;
     int tc = (threadIdx.x & 15) * 4, tr = threadIdx.x >> 4;
@@ -119,9 +147,20 @@ __device__ void cast_tile(const bf16_t* __restrict__ x, int rows, int cols,
         if (gr < rows && gc < cols) {
             uint2 v = *(const uint2*)(x + (size_t)gr * cols + gc);
             packed = cvt4<E5M2>(v.x, v.y, s);
+            m = fmaxf(m, abs_max4(v.x, v.y));
             if (out) *(unsigned*)(out + (size_t)gr * cols + gc) = packed;
         }
         tile[r][tc >> 2] = packed;
+    }
+    if (history) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int i = 1; i < 8; i++) m = fmaxf(m, warp_max[i]);
+            atomicMax(history, __float_as_uint(m));
+        }
     }
     if (!out_t) return;
     __syncthreads();
@@ -139,15 +178,17 @@ __device__ void cast_tile(const bf16_t* __restrict__ x, int rows, int cols,
 }
 
 extern "C" __global__ void smp_fp8_cast_e4m3(const bf16_t* x, int rows, int cols,
-                                             const unsigned* amax, unsigned char* out,
-                                             unsigned char* out_t, float* descale) {
-    cast_tile<false>(x, rows, cols, amax, 448.0f, out, out_t, descale);
+                                             const unsigned* amax, unsigned* history,
+                                             unsigned char* out, unsigned char* out_t,
+                                             float* descale) {
+    cast_tile<false>(x, rows, cols, amax, history, 448.0f, out, out_t, descale);
 }
 
 extern "C" __global__ void smp_fp8_cast_e5m2(const bf16_t* x, int rows, int cols,
-                                             const unsigned* amax, unsigned char* out,
-                                             unsigned char* out_t, float* descale) {
-    cast_tile<true>(x, rows, cols, amax, 57344.0f, out, out_t, descale);
+                                             const unsigned* amax, unsigned* history,
+                                             unsigned char* out, unsigned char* out_t,
+                                             float* descale) {
+    cast_tile<true>(x, rows, cols, amax, history, 57344.0f, out, out_t, descale);
 }
 "#;
 
@@ -188,13 +229,16 @@ pub(super) enum Fp8Step {
         len: usize,
         amax: Binding,
     },
-    /// Casts bf16 `x` (`rows x cols`) with the scale of `amax` to `format`: row-major into
+    /// Moves a delayed-scaling state's latest amax into its history and sets the scale of the
+    /// next casts from the history's largest ([`crate::fp8::AmaxHistory`] on the device).
+    Roll { state: Binding, format: Fp8Format },
+    /// Casts bf16 `x` (`rows x cols`) with the scale of `scale` to `format`: row-major into
     /// `out`, transposed (`cols x rows`) into `out_t`, and `1 / scale` into `descale`.
     Cast {
         x: Binding,
         rows: usize,
         cols: usize,
-        amax: Binding,
+        scale: ScaleSource,
         format: Fp8Format,
         out: Option<Binding>,
         out_t: Option<Binding>,
@@ -215,6 +259,22 @@ pub(super) enum Fp8Step {
     },
 }
 
+/// Where a cast's scale comes from.
+pub(super) enum ScaleSource {
+    /// This tensor's amax (u32 float bits), computed just before: current scaling.
+    Amax(Binding),
+    /// A delayed-scaling state (`HISTORY_STATE_WORDS` u32): its scale, and the cast adds its
+    /// amax to the state for the next roll.
+    History(Binding),
+}
+
+/// The u32 words of a delayed-scaling state: the pending amax, the ring position, the scale,
+/// the descale and [`AMAX_HISTORY`] amaxes (the kernels' `HISTORY`).
+const HISTORY_STATE_WORDS: usize = 4 + AMAX_HISTORY;
+
+/// How many casts' amaxes a delayed scale looks back over (torchao's delayed recipe took 16).
+pub const AMAX_HISTORY: usize = 16;
+
 /// An FP8 GEMM operand: its bytes, leading dimension, format and descale (one f32).
 pub(super) struct Fp8Operand {
     data: Binding,
@@ -228,16 +288,17 @@ impl Fp8Step {
     pub(super) fn bindings(&self) -> Vec<&Binding> {
         match self {
             Self::Amax { x, amax, .. } => vec![x, amax],
+            Self::Roll { state, .. } => vec![state],
             Self::Cast {
                 x,
-                amax,
+                scale: ScaleSource::Amax(scale) | ScaleSource::History(scale),
                 out,
                 out_t,
                 descale,
                 ..
             } => [
                 Some(x),
-                Some(amax),
+                Some(scale),
                 out.as_ref(),
                 out_t.as_ref(),
                 Some(descale),
@@ -284,18 +345,40 @@ impl Fp8Step {
                 }
                 .map_err(|e| cuda_err("launching the FP8 amax kernel", e))
             }
+            Self::Roll { state, format } => {
+                let (mut sp, _gs) = ptr(state)?;
+                let mut fmax = format.max();
+                let mut params = [(&mut sp as *mut u64).cast(), (&mut fmax as *mut f32).cast()];
+                // SAFETY: the kernel takes (u32*, f32); `state` holds HISTORY_STATE_WORDS words.
+                unsafe {
+                    cudarc::driver::result::launch_kernel(
+                        engine.roll,
+                        (1, 1, 1),
+                        (1, 1, 1),
+                        0,
+                        stream,
+                        &mut params,
+                    )
+                }
+                .map_err(|e| cuda_err("launching the FP8 amax-history kernel", e))
+            }
             Self::Cast {
                 x,
                 rows,
                 cols,
-                amax,
+                scale,
                 format,
                 out,
                 out_t,
                 descale,
             } => {
                 let (mut xp, _gx) = ptr(x)?;
-                let (mut ap, _ga) = ptr(amax)?;
+                let (source, history) = match scale {
+                    ScaleSource::Amax(b) => (b, false),
+                    ScaleSource::History(b) => (b, true),
+                };
+                let (source, _ga) = ptr(source)?;
+                let (mut ap, mut hp) = if history { (0, source) } else { (source, 0) };
                 let (mut dp, _gd) = ptr(descale)?;
                 let out = out.as_ref().map(&mut *ptr).transpose()?;
                 let out_t = out_t.as_ref().map(&mut *ptr).transpose()?;
@@ -308,6 +391,7 @@ impl Fp8Step {
                     (&mut r as *mut i32).cast(),
                     (&mut c as *mut i32).cast(),
                     (&mut ap as *mut u64).cast(),
+                    (&mut hp as *mut u64).cast(),
                     (&mut op as *mut u64).cast(),
                     (&mut otp as *mut u64).cast(),
                     (&mut dp as *mut u64).cast(),
@@ -393,6 +477,7 @@ struct LtGemm {
 /// One device's FP8 machinery, owned by CubeCL's device-server thread.
 struct Fp8Engine {
     amax: ds::CUfunction,
+    roll: ds::CUfunction,
     cast_e4m3: ds::CUfunction,
     cast_e5m2: ds::CUfunction,
     handle: lts::cublasLtHandle_t,
@@ -447,6 +532,7 @@ fn fp8_engine(device: usize) -> Result<Rc<Fp8Engine>, SmpError> {
         .map_err(|e| cuda_err("loading the FP8 kernels (cuModuleLoadData)", e))?;
     let engine = Rc::new(Fp8Engine {
         amax: function(module, "smp_fp8_amax")?,
+        roll: function(module, "smp_fp8_roll")?,
         cast_e4m3: function(module, "smp_fp8_cast_e4m3")?,
         cast_e5m2: function(module, "smp_fp8_cast_e5m2")?,
         handle: lt::create_handle().map_err(lt_err("cublasLtCreate"))?,
@@ -629,13 +715,100 @@ fn supported_operands(x: &Cube, w: &Cube) -> bool {
         && fp8_linear_supported(x.dtype, w.dtype, m, k, [dims[0], dims[1]], x.device.index)
 }
 
+/// Where a kept scale lives: a current-scaling amax or a delayed-scaling state.
+#[derive(Clone, Debug)]
+enum KeptScale {
+    Amax(Cube),
+    History(Cube),
+}
+
+impl KeptScale {
+    fn source(&self) -> ScaleSource {
+        match self {
+            Self::Amax(t) => ScaleSource::Amax(binding(t)),
+            Self::History(t) => ScaleSource::History(binding(t)),
+        }
+    }
+}
+
 /// What an FP8 layer's backward needs from its forward.
 #[derive(Clone, Debug)]
 pub struct Fp8Saved {
     /// `x^T` in E4M3 (`[k, m]`) and its descale: the weight gradient's operand.
     x_t: Option<(Cube, Cube)>,
-    /// The amax of the weight (u32 bits), for its transposed cast in the backward.
-    w_amax: Option<Cube>,
+    /// The weight's scale, for its transposed cast in the backward.
+    w_scale: Option<KeptScale>,
+    /// The layer's key under delayed scaling (the gradient's state is looked up by it).
+    layer: Option<u64>,
+}
+
+/// The tensors of a layer whose scales delayed scaling tracks.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Role {
+    Input,
+    Weight,
+    Gradient,
+}
+
+thread_local! {
+    // Delayed-scaling states of the layers this thread builds graphs for, by (device, layer,
+    // tensor), each with whether its history holds a measured amax yet. A thread per rank, so
+    // ranks in one process keep their own (their tensors differ).
+    static STATES: RefCell<HashMap<(usize, u64, Role), (Cube, bool)>> =
+        RefCell::new(HashMap::new());
+}
+
+/// Pushes the steps that give tensor `t` (`len` values) its scale and returns where its cast
+/// reads it: current scaling (`layer` = `None`) measures the amax now; delayed scaling rolls
+/// the layer's history, after seeding it with a measured amax on first use (a first cast at
+/// scale 1 would flush small gradients to zero).
+fn scale_steps(
+    t: &Cube,
+    len: usize,
+    layer: Option<(u64, Role)>,
+    format: Fp8Format,
+    steps: &mut Vec<Fp8Step>,
+) -> KeptScale {
+    let Some((key, role)) = layer else {
+        let amax = scalar(t, BurnDType::U32);
+        steps.push(Fp8Step::Amax {
+            x: binding(t),
+            len,
+            amax: binding(&amax),
+        });
+        return KeptScale::Amax(amax);
+    };
+    let (state, seeded) = STATES.with(|m| {
+        let mut m = m.borrow_mut();
+        let entry = m.entry((t.device.index, key, role)).or_insert_with(|| {
+            let handle = t.client.create_from_slice(&[0u8; HISTORY_STATE_WORDS * 4]);
+            let state = burn_cubecl::tensor::CubeTensor::new_contiguous(
+                t.client.clone(),
+                t.device.clone(),
+                Shape::from(vec![HISTORY_STATE_WORDS]),
+                handle,
+                BurnDType::U32,
+            );
+            (state, false)
+        });
+        let seeded = entry.1;
+        entry.1 = true;
+        (entry.0.clone(), seeded)
+    });
+    if !seeded {
+        // The state's first word is the pending amax: the measurement lands where the roll
+        // moves it into the history.
+        steps.push(Fp8Step::Amax {
+            x: binding(t),
+            len,
+            amax: binding(&state),
+        });
+    }
+    steps.push(Fp8Step::Roll {
+        state: binding(&state),
+        format,
+    });
+    KeptScale::History(state)
 }
 
 fn scalar(like: &Cube, dtype: BurnDType) -> Cube {
@@ -660,12 +833,19 @@ fn binding(t: &Cube) -> Binding {
     t.handle.clone().binding()
 }
 
-/// `y = x w^T` in FP8 (see the [module documentation](self)); with `keep_x_t` / `keep_w_amax`
-/// it also returns what the backward of `dw` / `dx` needs.
+/// `y = x w^T` in FP8 (see the [module documentation](self)); with `keep_x_t` / `keep_w`
+/// it also returns what the backward of `dw` / `dx` needs. `layer` (a key unique to the
+/// layer, the same at every step) selects delayed scaling; `None`, current scaling.
 ///
 /// # Panics
 /// If [`fp8_linear_supported`] does not hold for the operands.
-pub fn linear_fp8_forward(x: Cube, w: Cube, keep_x_t: bool, keep_w_amax: bool) -> (Cube, Fp8Saved) {
+pub fn linear_fp8_forward(
+    x: Cube,
+    w: Cube,
+    keep_x_t: bool,
+    keep_w: bool,
+    layer: Option<u64>,
+) -> (Cube, Fp8Saved) {
     assert!(
         supported_operands(&x, &w),
         "FP8 linear: unsupported operands {:?} {:?} and {:?} {:?}",
@@ -685,64 +865,55 @@ pub fn linear_fp8_forward(x: Cube, w: Cube, keep_x_t: bool, keep_w_amax: bool) -
         Shape::from(out_dims),
         x.dtype,
     );
-    let (x_amax, w_amax) = (scalar(&x, BurnDType::U32), scalar(&x, BurnDType::U32));
+    let mut steps = Vec::new();
+    let e4 = Fp8Format::E4M3;
+    let x_scale = scale_steps(&x, m * k, layer.map(|l| (l, Role::Input)), e4, &mut steps);
+    let w_scale = scale_steps(&w, n * k, layer.map(|l| (l, Role::Weight)), e4, &mut steps);
     let (x_descale, w_descale) = (scalar(&x, BurnDType::F32), scalar(&x, BurnDType::F32));
     let (x8, w8) = (bytes(&x, m, k), bytes(&x, n, k));
     let x8t = keep_x_t.then(|| bytes(&x, k, m));
-    let steps = vec![
-        Fp8Step::Amax {
-            x: binding(&x),
-            len: m * k,
-            amax: binding(&x_amax),
-        },
-        Fp8Step::Amax {
-            x: binding(&w),
-            len: n * k,
-            amax: binding(&w_amax),
-        },
-        Fp8Step::Cast {
-            x: binding(&x),
-            rows: m,
-            cols: k,
-            amax: binding(&x_amax),
-            format: Fp8Format::E4M3,
-            out: Some(binding(&x8)),
-            out_t: x8t.as_ref().map(binding),
-            descale: binding(&x_descale),
-        },
-        Fp8Step::Cast {
-            x: binding(&w),
-            rows: n,
-            cols: k,
-            amax: binding(&w_amax),
-            format: Fp8Format::E4M3,
-            out: Some(binding(&w8)),
-            out_t: None,
+    steps.push(Fp8Step::Cast {
+        x: binding(&x),
+        rows: m,
+        cols: k,
+        scale: x_scale.source(),
+        format: e4,
+        out: Some(binding(&x8)),
+        out_t: x8t.as_ref().map(binding),
+        descale: binding(&x_descale),
+    });
+    steps.push(Fp8Step::Cast {
+        x: binding(&w),
+        rows: n,
+        cols: k,
+        scale: w_scale.source(),
+        format: e4,
+        out: Some(binding(&w8)),
+        out_t: None,
+        descale: binding(&w_descale),
+    });
+    // Column-major y^T [n, m] = w8 (k x n)^T x8 (k x m).
+    steps.push(Fp8Step::Gemm {
+        m: n,
+        n: m,
+        k,
+        a: Fp8Operand {
+            data: binding(&w8),
+            ld: k,
+            format: e4,
             descale: binding(&w_descale),
         },
-        // Column-major y^T [n, m] = w8 (k x n)^T x8 (k x m).
-        Fp8Step::Gemm {
-            m: n,
-            n: m,
-            k,
-            a: Fp8Operand {
-                data: binding(&w8),
-                ld: k,
-                format: Fp8Format::E4M3,
-                descale: binding(&w_descale),
-            },
-            b: Fp8Operand {
-                data: binding(&x8),
-                ld: k,
-                format: Fp8Format::E4M3,
-                descale: binding(&x_descale),
-            },
-            c: binding(&y),
-            ldc: n,
-            accumulate: false,
-            fast_accumulation: true,
+        b: Fp8Operand {
+            data: binding(&x8),
+            ld: k,
+            format: e4,
+            descale: binding(&x_descale),
         },
-    ];
+        c: binding(&y),
+        ldc: n,
+        accumulate: false,
+        fast_accumulation: true,
+    });
     submit_steps(
         x.device.index,
         x.dtype,
@@ -750,13 +921,14 @@ pub fn linear_fp8_forward(x: Cube, w: Cube, keep_x_t: bool, keep_w_amax: bool) -
     );
     let saved = Fp8Saved {
         x_t: x8t.map(|t| (t, x_descale)),
-        w_amax: keep_w_amax.then_some(w_amax),
+        w_scale: keep_w.then_some(w_scale),
+        layer,
     };
     (y, saved)
 }
 
-/// The gradients of [`linear_fp8_forward`]: `dx` (when `w` is given, with the forward's
-/// weight amax; added into `dx_into` when given) and `dw` (when the forward kept `x^T`).
+/// The gradients of [`linear_fp8_forward`]: `dx` (when `w` is given, cast with the forward's
+/// weight scale; added into `dx_into` when given) and `dw` (when the forward kept `x^T`).
 ///
 /// # Panics
 /// On shapes that do not match the forward's.
@@ -770,37 +942,38 @@ pub fn linear_fp8_backward(
     let dy = into_contiguous(dy);
     let (m, n) = rows_cols(dy.meta.shape());
     let (_, k) = rows_cols(x_shape);
-    let want_dx = w.is_some() && saved.w_amax.is_some();
+    let want_dx = w.is_some() && saved.w_scale.is_some();
     let want_dw = saved.x_t.is_some();
-    let dy_amax = scalar(&dy, BurnDType::U32);
+    let e5 = Fp8Format::E5M2;
+    let mut steps = Vec::new();
+    let dy_scale = scale_steps(
+        &dy,
+        m * n,
+        saved.layer.map(|l| (l, Role::Gradient)),
+        e5,
+        &mut steps,
+    );
     let dy_descale = scalar(&dy, BurnDType::F32);
     let dy8 = want_dx.then(|| bytes(&dy, m, n));
     let dy8t = want_dw.then(|| bytes(&dy, n, m));
-    let mut steps = vec![
-        Fp8Step::Amax {
-            x: binding(&dy),
-            len: m * n,
-            amax: binding(&dy_amax),
-        },
-        Fp8Step::Cast {
-            x: binding(&dy),
-            rows: m,
-            cols: n,
-            amax: binding(&dy_amax),
-            format: Fp8Format::E5M2,
-            out: dy8.as_ref().map(binding),
-            out_t: dy8t.as_ref().map(binding),
-            descale: binding(&dy_descale),
-        },
-    ];
+    steps.push(Fp8Step::Cast {
+        x: binding(&dy),
+        rows: m,
+        cols: n,
+        scale: dy_scale.source(),
+        format: e5,
+        out: dy8.as_ref().map(binding),
+        out_t: dy8t.as_ref().map(binding),
+        descale: binding(&dy_descale),
+    });
     let gradient_operand = |data: &Cube, ld| Fp8Operand {
         data: binding(data),
         ld,
-        format: Fp8Format::E5M2,
+        format: e5,
         descale: binding(&dy_descale),
     };
-    let dx = match (w, &saved.w_amax, &dy8) {
-        (Some(w), Some(w_amax), Some(dy8)) => {
+    let dx = match (w, &saved.w_scale, &dy8) {
+        (Some(w), Some(w_scale), Some(dy8)) => {
             let w = into_contiguous(w);
             assert_eq!(
                 w.meta.shape().as_slice(),
@@ -834,7 +1007,7 @@ pub fn linear_fp8_backward(
                 x: binding(&w),
                 rows: n,
                 cols: k,
-                amax: binding(w_amax),
+                scale: w_scale.source(),
                 format: Fp8Format::E4M3,
                 out: None,
                 out_t: Some(binding(&w8t)),
@@ -932,10 +1105,11 @@ impl Backward<CudaCube, 2> for Fp8LinearBackward {
 }
 
 /// `x w^T` with FP8 GEMMs on [`CudaCube`] with autodiff; differentiable in both operands.
-/// The caller checks [`fp8_linear_supported`].
+/// `layer` as for [`linear_fp8_forward`]. The caller checks [`fp8_linear_supported`].
 pub fn linear_fp8_autodiff<const D: usize>(
     x: Tensor<CudaAutodiff, D>,
     w: Tensor<CudaAutodiff, 2>,
+    layer: Option<u64>,
 ) -> Tensor<CudaAutodiff, D> {
     let x = x.into_primitive().tensor();
     let w = w.into_primitive().tensor();
@@ -948,11 +1122,12 @@ pub fn linear_fp8_autodiff<const D: usize>(
     {
         OpsKind::Tracked(mut prep) => {
             let w_state = x_tracked.then(|| prep.checkpoint(&w));
-            let (y, saved) = linear_fp8_forward(x.primitive, w.primitive, w_tracked, x_tracked);
+            let (y, saved) =
+                linear_fp8_forward(x.primitive, w.primitive, w_tracked, x_tracked, layer);
             prep.finish((saved, w_state, x_shape), y)
         }
         OpsKind::UnTracked(prep) => {
-            prep.finish(linear_fp8_forward(x.primitive, w.primitive, false, false).0)
+            prep.finish(linear_fp8_forward(x.primitive, w.primitive, false, false, layer).0)
         }
     };
     Tensor::from_primitive(TensorPrimitive::Float(out))
@@ -962,12 +1137,14 @@ pub fn linear_fp8_autodiff<const D: usize>(
 pub fn linear_fp8_plain<const D: usize>(
     x: Tensor<CudaCube, D>,
     w: Tensor<CudaCube, 2>,
+    layer: Option<u64>,
 ) -> Tensor<CudaCube, D> {
     let (y, _) = linear_fp8_forward(
         x.into_primitive().tensor(),
         w.into_primitive().tensor(),
         false,
         false,
+        layer,
     );
     Tensor::from_primitive(TensorPrimitive::Float(y))
 }

@@ -21,6 +21,7 @@ pub(crate) fn linear<B: Backend, const D: usize>(
 pub(crate) fn linear_fp8<B: Backend, const D: usize>(
     _: &Tensor<B, D>,
     _: &Tensor<B, 2>,
+    _: burn::module::ParamId,
 ) -> Option<Tensor<B, D>> {
     if crate::kernel_config::fp8_recipe().enabled() {
         static NOTED: std::sync::Once = std::sync::Once::new();

@@ -101,11 +101,15 @@ pub(crate) fn linear<B: Backend, const D: usize>(
 pub(crate) fn linear_fp8<B: Backend, const D: usize>(
     x: &Tensor<B, D>,
     w: &Tensor<B, 2>,
+    layer: burn::module::ParamId,
 ) -> Option<Tensor<B, D>> {
     use crate::cuda::fp8;
-    if !crate::kernel_config::fp8_recipe().enabled() {
-        return None;
-    }
+    use crate::fp8::Fp8Recipe;
+    let layer = match crate::kernel_config::fp8_recipe() {
+        Fp8Recipe::Off => return None,
+        Fp8Recipe::Tensorwise => None,
+        Fp8Recipe::Delayed => Some(layer.val()),
+    };
     let served = served::<B>();
     let dims = x.dims();
     let supported = matches!(served, Some(Served::CubeAutodiff | Served::Cube))
@@ -125,8 +129,13 @@ pub(crate) fn linear_fp8<B: Backend, const D: usize>(
         Some(Served::CubeAutodiff) => same(fp8::linear_fp8_autodiff::<D>(
             same(x.clone()),
             same(w.clone()),
+            layer,
         )),
-        _ => same(fp8::linear_fp8_plain::<D>(same(x.clone()), same(w.clone()))),
+        _ => same(fp8::linear_fp8_plain::<D>(
+            same(x.clone()),
+            same(w.clone()),
+            layer,
+        )),
     })
 }
 

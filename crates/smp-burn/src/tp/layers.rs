@@ -171,7 +171,8 @@ impl<B: Backend> ColumnParallelLinear<B> {
     /// `x W^T + b` for this rank's output features: `[batch, seq, out / tp]`, in FP8 under an
     /// FP8 recipe ([`ops::linear_fp8`]).
     pub fn forward(&self, x: &Gathered<B>) -> Tensor<B, 3> {
-        self.project(x, ops::linear_fp8)
+        let layer = self.weight.id;
+        self.project(x, |x, w| ops::linear_fp8(x, w, layer))
     }
 
     /// [`Self::forward`] with the output features of every rank gathered, `[batch, seq, out]`
@@ -185,7 +186,7 @@ impl<B: Backend> ColumnParallelLinear<B> {
     fn project(
         &self,
         x: &Gathered<B>,
-        linear: fn(Tensor<B, 3>, Tensor<B, 2>) -> Tensor<B, 3>,
+        linear: impl FnOnce(Tensor<B, 3>, Tensor<B, 2>) -> Tensor<B, 3>,
     ) -> Tensor<B, 3> {
         self.tp.check();
         let y = linear(x.tensor.clone(), self.weight.val());
@@ -220,7 +221,7 @@ impl<B: Backend> RowParallelLinear<B> {
     /// parallelism, `[batch, seq, out]` without.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         self.tp.check();
-        let partial = ops::linear_fp8(x, self.weight.val());
+        let partial = ops::linear_fp8(x, self.weight.val(), self.weight.id);
         let mapping = if self.tp.sequence_parallel() {
             Mapping::ReduceScatterSequence
         } else {
