@@ -110,8 +110,8 @@ pub struct PlanArgs {
 #[command(
     name = "llama2_train plan calibrate",
     about = "Time short training runs on the first GPU (a few decoder layers of the model's \
-             widths at several sequence lengths, micro-batches and recomputation) and fit the \
-             planner's rates to them"
+             widths at several sequence lengths, micro-batches and recomputation, and on an FP8 \
+             GPU one run again in FP8) and fit the planner's rates to them"
 )]
 pub struct CalibrateArgs {
     /// Model preset whose widths the runs take.
@@ -394,17 +394,33 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<(), DynError> {
         .into());
     }
     let model = LlamaConfig::preset(&args.model)?;
-    let shapes = plan::calibration_shapes(&args.seq_lens, &layers);
     let exe = std::env::current_exe()?;
     let gpu = detect_gpu()?;
+    // On an FP8 GPU, the deepest bf16 run at the first S >= 4096 again with FP8 linear layers:
+    // it measures FP8's speedup.
+    let mut shapes: Vec<_> = plan::calibration_shapes(&args.seq_lens, &layers)
+        .into_iter()
+        .map(|shape| (shape, false))
+        .collect();
+    if gpu.peak_fp8_flops.is_some()
+        && let Some(&(twin, _)) = shapes.iter().find(|((l, s, mb, r), _)| {
+            *l == layers[layers.len() - 1] && *s >= 4096 && *mb == 1 && *r == 0
+        })
+    {
+        shapes.push((twin, true));
+    }
     let mut runs = Vec::new();
-    for (i, &(l, s, mb, r)) in shapes.iter().enumerate() {
-        let dir = args.work_dir.join(format!("l{l}-s{s}-mb{mb}-r{r}"));
+    for (i, &((l, s, mb, r), fp8)) in shapes.iter().enumerate() {
+        let precision = if fp8 { "-fp8" } else { "" };
+        let dir = args
+            .work_dir
+            .join(format!("l{l}-s{s}-mb{mb}-r{r}{precision}"));
         eprintln!(
-            "[{}/{}] {} widths, {l} layers, S={s}, micro-batch {mb}, {r} recomputed",
+            "[{}/{}] {} widths, {l} layers, S={s}, micro-batch {mb}, {r} recomputed{}",
             i + 1,
             shapes.len(),
-            args.model
+            args.model,
+            if fp8 { ", FP8" } else { "" }
         );
         let mut cmd = Command::new(&exe);
         cmd.args([
@@ -430,6 +446,9 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<(), DynError> {
         if let Some(t) = &args.tokenizer {
             cmd.arg("--tokenizer").arg(t);
         }
+        if fp8 {
+            cmd.args(["--fp8", "tensorwise"]);
+        }
         let status = cmd.status()?;
         if !status.success() {
             return Err(format!("calibration run in {} failed ({status})", dir.display()).into());
@@ -453,6 +472,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<(), DynError> {
             seq_len: s,
             micro_batch: mb,
             recomputed_layers: r,
+            fp8,
             step_s: times.iter().sum::<f64>() / times.len() as f64,
             predicted_s: 0.0,
         });
@@ -477,10 +497,13 @@ fn fit_and_report(
         .iter()
         .map(|r| format!("{:.0} at S={}", r.flops / 1e12, r.seq_len))
         .collect();
+    let fp8 = cal
+        .fp8_linear_speedup
+        .map_or(String::new(), |s| format!(", FP8 linear layers {s:.3}x"));
     println!(
         "{}, {} widths: linear {:.0} TFLOP/s, attention {} TFLOP/s, optimizer {:.2} TB/s (given)\
-         \n\n| layers | S | micro-batch | recomputed | measured | fitted |\n\
-         | --- | --- | --- | --- | --- | --- |",
+         {fp8}\n\n| layers | S | micro-batch | recomputed | fp8 | measured | fitted |\n\
+         | --- | --- | --- | --- | --- | --- | --- |",
         cal.gpu,
         model,
         cal.linear_flops / 1e12,
@@ -489,11 +512,12 @@ fn fit_and_report(
     );
     for r in &cal.runs {
         println!(
-            "| {} | {} | {} | {} | {:.1} ms | {:.1} ms |",
+            "| {} | {} | {} | {} | {} | {:.1} ms | {:.1} ms |",
             r.layers,
             r.seq_len,
             r.micro_batch,
             r.recomputed_layers,
+            if r.fp8 { "yes" } else { "no" },
             r.step_s * 1e3,
             r.predicted_s * 1e3
         );

@@ -167,6 +167,10 @@ pub struct CalibrationRun {
     pub micro_batch: usize,
     /// Layers recomputed.
     pub recomputed_layers: usize,
+    /// Run with FP8 linear layers (`--fp8 tensorwise`): it measures
+    /// [`Calibration::fp8_linear_speedup`] against the bf16 run of the same shape.
+    #[serde(default)]
+    pub fp8: bool,
     /// Median step time measured, seconds.
     pub step_s: f64,
     /// Step time the fitted calibration predicts, seconds.
@@ -373,9 +377,12 @@ impl Calibration {
         optimizer_bytes_per_s: f64,
         runs: &[CalibrationRun],
     ) -> Result<Calibration> {
+        let (fp8_runs, runs): (Vec<CalibrationRun>, Vec<CalibrationRun>) =
+            runs.iter().cloned().partition(|r| r.fp8);
+        let runs = &runs[..];
         let first = runs
             .first()
-            .ok_or_else(|| LlamaError::Config("a calibration needs runs".into()))?;
+            .ok_or_else(|| LlamaError::Config("a calibration needs bf16 runs".into()))?;
         if runs.iter().any(|r| {
             (r.hidden_size, r.intermediate_size, r.heads)
                 != (first.hidden_size, first.intermediate_size, first.heads)
@@ -453,13 +460,57 @@ impl Calibration {
         for (run, p) in c.runs.iter_mut().zip(predicted) {
             run.predicted_s = p;
         }
+        // FP8: the time an FP8 run saves against the bf16 run of its shape, over the linear
+        // time of its decoder layers at the fitted bf16 rate.
+        // FP8: the time an FP8 run saves against the bf16 run of its shape, over the linear
+        // time of its decoder layers at the fitted bf16 rate.
+        let same_shape = |a: &CalibrationRun, b: &CalibrationRun| {
+            (a.layers, a.seq_len, a.micro_batch, a.recomputed_layers)
+                == (b.layers, b.seq_len, b.micro_batch, b.recomputed_layers)
+        };
+        let mut speedups = Vec::new();
+        for f in &fp8_runs {
+            let Some(bf16) = c.runs.iter().find(|r| same_shape(r, f)) else {
+                continue;
+            };
+            let linear_s = c.layers_linear_seconds(bf16);
+            let saved = bf16.step_s - f.step_s;
+            if saved < linear_s {
+                speedups.push(linear_s / (linear_s - saved));
+            }
+        }
+        if !fp8_runs.is_empty() && speedups.is_empty() {
+            return Err(LlamaError::Config(
+                "an FP8 calibration run needs a bf16 run of the same shape, and must save less \
+                 than that run's linear time"
+                    .into(),
+            ));
+        }
+        if !speedups.is_empty() {
+            let speedup = speedups.iter().sum::<f64>() / speedups.len() as f64;
+            c.fp8_linear_speedup = Some(speedup);
+            for f in fp8_runs {
+                let predicted = c.seconds(run_work(&f), f.seq_len)
+                    - c.layers_linear_seconds(&f) * (1.0 - 1.0 / speedup);
+                c.runs.push(CalibrationRun {
+                    predicted_s: predicted,
+                    ..f
+                });
+            }
+        }
         Ok(c)
+    }
+
+    /// Seconds of a run's decoder-layer linear work (the LM head left out) at the bf16 rate.
+    fn layers_linear_seconds(&self, r: &CalibrationRun) -> f64 {
+        let head = head_work(&run_model(r), tokens_of(r), 1.0).linear_flops;
+        (run_work(r).linear_flops - head) / self.linear_flops
     }
 }
 
-/// One GPU's work in a calibration run (unsharded, no tensor parallelism, one micro-batch).
-fn run_work(r: &CalibrationRun) -> Work {
-    let model = LlamaConfig {
+/// The model of a calibration run: its widths and layers.
+fn run_model(r: &CalibrationRun) -> LlamaConfig {
+    LlamaConfig {
         vocab_size: r.vocab_size,
         hidden_size: r.hidden_size,
         intermediate_size: r.intermediate_size,
@@ -467,8 +518,17 @@ fn run_work(r: &CalibrationRun) -> Work {
         num_attention_heads: r.heads.max(1),
         num_key_value_heads: r.heads.max(1),
         ..LlamaConfig::preset("7b").expect("a preset")
-    };
-    let tokens = (r.micro_batch * r.seq_len) as f64;
+    }
+}
+
+fn tokens_of(r: &CalibrationRun) -> f64 {
+    (r.micro_batch * r.seq_len) as f64
+}
+
+/// One GPU's work in a calibration run (unsharded, no tensor parallelism, one micro-batch).
+fn run_work(r: &CalibrationRun) -> Work {
+    let model = run_model(r);
+    let tokens = tokens_of(r);
     let mut w = head_work(&model, tokens, 1.0);
     let forward = Work::layer_forward(&model, r.seq_len, tokens, 1.0);
     let backward = Work::layer_backward(&model, r.seq_len, tokens, 1.0);
@@ -989,9 +1049,10 @@ mod tests {
             attention: vec![rate(1024, 150.0), rate(4096, 280.0), rate(16384, 390.0)],
             optimizer_bytes_per_s: 3.1e12,
             overlap: MEASURED_OVERLAP,
+            fp8_linear_speedup: Some(1.4),
             runs: Vec::new(),
         };
-        let runs: Vec<CalibrationRun> = calibration_shapes(&[1024, 4096, 16384], &[2, 8])
+        let mut runs: Vec<CalibrationRun> = calibration_shapes(&[1024, 4096, 16384], &[2, 8])
             .into_iter()
             .map(|(layers, seq_len, micro_batch, recomputed_layers)| {
                 let mut run = CalibrationRun {
@@ -1003,6 +1064,7 @@ mod tests {
                     seq_len,
                     micro_batch,
                     recomputed_layers,
+                    fp8: false,
                     step_s: 0.0,
                     predicted_s: 0.0,
                 };
@@ -1010,8 +1072,22 @@ mod tests {
                 run
             })
             .collect();
+        // The FP8 twin of the deepest S=4096 run: its layers' linear work 1.4 times faster.
+        let twin = runs
+            .iter()
+            .find(|r| r.layers == 8 && r.seq_len == 4096 && r.micro_batch == 1)
+            .cloned()
+            .unwrap();
+        let head = head_work(&run_model(&twin), tokens_of(&twin), 1.0).linear_flops;
+        let layers_s = (run_work(&twin).linear_flops - head) / truth.linear_flops;
+        runs.push(CalibrationRun {
+            fp8: true,
+            step_s: twin.step_s - layers_s * (1.0 - 1.0 / 1.4),
+            ..twin
+        });
         let fit = Calibration::fit(&h200(), truth.optimizer_bytes_per_s, &runs).unwrap();
-        let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-6;
+        assert!(close_to(fit.fp8_linear_speedup.unwrap(), 1.4), "{fit:?}");
+        let close = close_to;
         assert!(close(fit.linear_flops, truth.linear_flops), "{fit:?}");
         for (got, want) in fit.attention.iter().zip(&truth.attention) {
             assert_eq!(got.seq_len, want.seq_len);
@@ -1023,6 +1099,17 @@ mod tests {
         assert!(close(fit.attention_flops(65536), 390e12));
         // One sequence length and two runs: two rates, too few runs to check them.
         assert!(Calibration::fit(&h200(), 3e12, &runs[..2]).is_err());
+        // An FP8 run without its bf16 twin is refused.
+        let alone: Vec<CalibrationRun> = runs
+            .iter()
+            .filter(|r| r.fp8 || (r.layers, r.seq_len, r.micro_batch) != (8, 4096, 1))
+            .cloned()
+            .collect();
+        assert!(Calibration::fit(&h200(), 3e12, &alone).is_err());
+    }
+
+    fn close_to(a: f64, b: f64) -> bool {
+        (a / b - 1.0).abs() < 1e-6
     }
 
     /// One GPU: nothing to communicate, and the memory is the one-GPU estimate.

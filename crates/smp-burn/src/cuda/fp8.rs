@@ -750,11 +750,13 @@ enum Role {
     Gradient,
 }
 
+/// A delayed-scaling state on the device and whether its history holds a measured amax yet.
+type HistoryState = (Cube, bool);
+
 thread_local! {
     // Delayed-scaling states of the layers this thread builds graphs for, by (device, layer,
-    // tensor), each with whether its history holds a measured amax yet. A thread per rank, so
-    // ranks in one process keep their own (their tensors differ).
-    static STATES: RefCell<HashMap<(usize, u64, Role), (Cube, bool)>> =
+    // tensor). A thread per rank, so ranks in one process keep their own (their tensors differ).
+    static STATES: RefCell<HashMap<(usize, u64, Role), HistoryState>> =
         RefCell::new(HashMap::new());
 }
 
