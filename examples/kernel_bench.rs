@@ -930,6 +930,18 @@ fn check_fp8() -> bool {
     ok
 }
 
+/// `(tokens, in, out)` of the linear layers of Llama 1B (hidden 2048, ffn 5632) and 7B (hidden
+/// 4096, ffn 11008) at 4096 tokens, and a large square GEMM.
+const LLAMA_GEMM_SHAPES: [(usize, usize, usize); 7] = [
+    (4096, 2048, 2048),
+    (4096, 2048, 5632),
+    (4096, 5632, 2048),
+    (4096, 4096, 4096),
+    (4096, 4096, 11008),
+    (4096, 11008, 4096),
+    (8192, 8192, 8192),
+];
+
 /// FP8 against bf16 linear layers at the Llama shapes: TFLOP/s of the forward and of
 /// forward + backward (three GEMMs plus, for FP8, the amax and cast passes).
 fn bench_fp8() {
@@ -940,25 +952,18 @@ fn bench_fp8() {
         return;
     }
     println!(
-        "{:<28} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
-        "shape (tokens x in -> out)",
+        "{:<24} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+        "tokens x in -> out",
         "bf16 fwd",
-        "fp8 fwd",
+        "tw fwd",
+        "dl fwd",
         "bf16 f+b",
-        "fp8 f+b",
-        "fwd x",
-        "f+b x"
+        "tw f+b",
+        "dl f+b",
+        "tw x",
+        "dl x"
     );
-    let shapes: [(usize, usize, usize); 7] = [
-        (4096, 2048, 2048),
-        (4096, 2048, 5632),
-        (4096, 5632, 2048),
-        (4096, 4096, 4096),
-        (4096, 4096, 11008),
-        (4096, 11008, 4096),
-        (8192, 8192, 8192),
-    ];
-    for (m, k, n) in shapes {
+    for (m, k, n) in LLAMA_GEMM_SHAPES {
         let flop = 2.0 * (m * n * k) as f64;
         let x = Tensor::<B, 2>::random([m, k], Distribution::Default, &dev).cast(DType::BF16);
         let w =
@@ -1012,16 +1017,7 @@ fn gemm() {
         "ours/cB",
         "issue us/call"
     );
-    // Llama 1B (hidden 2048, ffn 5632) and 7B (hidden 4096, ffn 11008) at 4096 tokens.
-    for (m, k, n) in [
-        (4096, 2048, 2048),
-        (4096, 2048, 5632),
-        (4096, 5632, 2048),
-        (4096, 4096, 4096),
-        (4096, 4096, 11008),
-        (4096, 11008, 4096),
-        (8192, 8192, 8192),
-    ] {
+    for (m, k, n) in LLAMA_GEMM_SHAPES {
         let flop = 2.0 * (m * n * k) as f64;
         let x = Tensor::<B, 2>::random([m, k], Distribution::Default, &dev).cast(DType::BF16);
         let w = Tensor::<B, 2>::random([n, k], Distribution::Default, &dev).cast(DType::BF16);

@@ -36,7 +36,7 @@ use cudarc::driver::sys as ds;
 
 use super::bridge::Cube;
 use super::device::{CudaCube, cuda_compute_capability, cuda_err};
-use super::gemm::{CudaAutodiff, Step, submit_steps};
+use super::gemm::{CudaAutodiff, Step, dx_buffer, register_linear_grads, rows_cols, submit_steps};
 use crate::error::SmpError;
 use crate::fp8::Fp8Format;
 
@@ -682,13 +682,6 @@ impl Fp8Engine {
     }
 }
 
-/// Rows (product of the leading dimensions) and columns (the last) of a shape.
-fn rows_cols(shape: &Shape) -> (usize, usize) {
-    let dims = shape.as_slice();
-    let cols = *dims.last().unwrap_or(&1);
-    (dims[..dims.len().saturating_sub(1)].iter().product(), cols)
-}
-
 /// Whether `x w^T` can take the FP8 path: bf16 operands (`x`: `rows x inner`, `w`:
 /// `[out, inner]`) on an FP8 device, every dimension a multiple of 16
 /// ([`crate::fp8::fp8_shape_supported`]), fewer than 4M rows (the cast's grid).
@@ -985,26 +978,7 @@ pub fn linear_fp8_backward(
             );
             let w8t = bytes(&dy, k, n);
             let w_descale = scalar(&dy, BurnDType::F32);
-            let (dx, accumulate) = match dx_into {
-                Some(acc) => {
-                    assert!(
-                        acc.meta.shape() == x_shape && acc.is_contiguous() && acc.dtype == dy.dtype,
-                        "FP8 linear backward: accumulator {:?} {:?} does not match x {x_shape:?}",
-                        acc.meta.shape(),
-                        acc.dtype,
-                    );
-                    (acc, true)
-                }
-                None => (
-                    empty_device_contiguous_dtype(
-                        dy.client.clone(),
-                        dy.device.clone(),
-                        x_shape.clone(),
-                        dy.dtype,
-                    ),
-                    false,
-                ),
-            };
+            let (dx, accumulate) = dx_buffer(&dy, x_shape, dx_into);
             steps.push(Fp8Step::Cast {
                 x: binding(&w),
                 rows: n,
@@ -1095,14 +1069,8 @@ impl Backward<CudaCube, 2> for Fp8LinearBackward {
             }
             None => None,
         };
-        let [node_x, node_w] = ops.parents;
         let (dx, dw) = linear_fp8_backward(dy, saved, w, &ops.state.2, dx_into);
-        if let (Some(node), Some(dx)) = (node_x, dx) {
-            grads.register::<CudaCube>(node.id, dx);
-        }
-        if let (Some(node), Some(dw)) = (node_w, dw) {
-            grads.register::<CudaCube>(node.id, dw);
-        }
+        register_linear_grads::<CudaCube>(grads, ops.parents.map(|p| p.map(|n| n.id)), dx, dw);
     }
 }
 

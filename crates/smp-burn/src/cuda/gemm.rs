@@ -571,7 +571,7 @@ fn issue_steps<G>(
 }
 
 /// Rows (product of the leading dimensions) and columns (the last) of a tensor.
-fn rows_cols(shape: &Shape) -> (usize, usize) {
+pub(super) fn rows_cols(shape: &Shape) -> (usize, usize) {
     let dims = shape.as_slice();
     let cols = *dims.last().unwrap_or(&1);
     let rows = dims[..dims.len().saturating_sub(1)].iter().product();
@@ -661,20 +661,7 @@ pub fn linear_backward(
     let dx = w.map(|w| {
         check_dtype("linear backward (dx)", &dy, &w);
         let w = into_contiguous(w);
-        let accumulate = dx_into.is_some();
-        let dx = match dx_into {
-            Some(acc) => {
-                assert!(
-                    acc.meta.shape() == x_shape && acc.is_contiguous() && acc.dtype == dy.dtype,
-                    "linear backward: accumulator {:?} {:?} does not match x {x_shape:?} {:?}",
-                    acc.meta.shape(),
-                    acc.dtype,
-                    dy.dtype
-                );
-                acc
-            }
-            None => alloc(x_shape.clone()),
-        };
+        let (dx, accumulate) = dx_buffer(&dy, x_shape, dx_into);
         // dx^T (k x m, column-major) = w^T (k x n, stored as w) · dy^T (n x m, stored as dy).
         calls.push(GemmCall {
             accumulate,
@@ -711,6 +698,54 @@ pub fn linear_backward(
         submit_ordered(dy.device.index, dy.dtype, calls);
     }
     (dx, dw)
+}
+
+/// The buffer `dx` is written to, and whether the GEMM adds into it: `dx_into` (checked to be
+/// a contiguous buffer of `x_shape` in `dy`'s dtype) or a fresh one.
+///
+/// # Panics
+/// On an accumulator that does not match, naming both.
+pub(super) fn dx_buffer(
+    dy: &CubeTensor<CudaRuntime>,
+    x_shape: &Shape,
+    dx_into: Option<CubeTensor<CudaRuntime>>,
+) -> (CubeTensor<CudaRuntime>, bool) {
+    match dx_into {
+        Some(acc) => {
+            assert!(
+                acc.meta.shape() == x_shape && acc.is_contiguous() && acc.dtype == dy.dtype,
+                "linear backward: accumulator {:?} {:?} does not match x {x_shape:?} {:?}",
+                acc.meta.shape(),
+                acc.dtype,
+                dy.dtype
+            );
+            (acc, true)
+        }
+        None => (
+            empty_device_contiguous_dtype(
+                dy.client.clone(),
+                dy.device.clone(),
+                x_shape.clone(),
+                dy.dtype,
+            ),
+            false,
+        ),
+    }
+}
+
+/// Registers a linear layer's input and weight gradients with the parents that want them.
+pub(super) fn register_linear_grads<I: CubeInner>(
+    grads: &mut Gradients,
+    [node_x, node_w]: [Option<NodeId>; 2],
+    dx: Option<I::FloatTensorPrimitive>,
+    dw: Option<I::FloatTensorPrimitive>,
+) {
+    if let (Some(node), Some(dx)) = (node_x, dx) {
+        grads.register::<I>(node, dx);
+    }
+    if let (Some(node), Some(dw)) = (node_w, dw) {
+        grads.register::<I>(node, dw);
+    }
 }
 
 #[derive(Debug)]
@@ -809,15 +844,9 @@ impl<I: CubeInner> Backward<I, 2> for LinearBackward {
             }
             _ => None,
         };
-        let [node_x, node_w] = ops.parents;
         let x_shape = ops.state.2;
         let (dx, dw) = linear_backward_on::<I>(dy, x, w, x_shape, dx_into);
-        if let (Some(node), Some(dx)) = (node_x, dx) {
-            grads.register::<I>(node.id, dx);
-        }
-        if let (Some(node), Some(dw)) = (node_w, dw) {
-            grads.register::<I>(node.id, dw);
-        }
+        register_linear_grads::<I>(grads, ops.parents.map(|p| p.map(|n| n.id)), dx, dw);
     }
 }
 
