@@ -123,9 +123,10 @@ pub struct Calibration {
     pub overlap: f64,
     /// How much faster the decoder layers' linear work (the GEMMs with their elementwise
     /// share, as [`Self::linear_flops`] prices it) runs with FP8 linear layers (tensorwise
-    /// recipe): from a bf16 and an FP8 run of the whole model at S=4096 measured in the same
-    /// session, the step time saved over the linear time the bf16 rate predicts. `None` where
-    /// it was not measured: the planner then offers no FP8 layouts.
+    /// recipe): from a bf16 and an FP8 run of the whole model at S=4096 measured back to back
+    /// (or of the same shape in `plan calibrate`), the step time saved over the linear time
+    /// the bf16 rate predicts. `None` where it was not measured: the planner then offers no
+    /// FP8 layouts.
     #[serde(default)]
     pub fp8_linear_speedup: Option<f64>,
     /// The runs it was fitted to, each with what the fit predicts for it.
