@@ -96,6 +96,34 @@ pub fn memory_in_use(gpu: usize) -> Result<impl Fn() -> Option<u64> + Send + Syn
     })
 }
 
+/// Launches a kernel loaded from PTX with a 1-D grid and block on `stream`; a failure names
+/// `what`.
+///
+/// # Safety
+/// `params` must be pointers to the kernel's parameters, in order and of its types, and every
+/// buffer they name must be live on `stream`'s device for the kernel's extent.
+pub(crate) unsafe fn launch_ptx(
+    what: &str,
+    kernel: ds::CUfunction,
+    blocks: (u32, u32),
+    threads: u32,
+    stream: ds::CUstream,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<(), SmpError> {
+    // SAFETY: as the caller promises.
+    unsafe {
+        cudarc::driver::result::launch_kernel(
+            kernel,
+            (blocks.0, blocks.1, 1),
+            (threads, 1, 1),
+            0,
+            stream,
+            params,
+        )
+    }
+    .map_err(|e| cuda_err(&format!("launching the {what}"), e))
+}
+
 pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Debug) -> SmpError {
     SmpError::Cuda(format!("{what}: {e:?}"))
 }

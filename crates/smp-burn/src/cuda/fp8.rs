@@ -35,7 +35,7 @@ use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::sys as ds;
 
 use super::bridge::Cube;
-use super::device::{CudaCube, cuda_compute_capability, cuda_err};
+use super::device::{CudaCube, cuda_compute_capability, cuda_err, launch_ptx};
 use super::gemm::{CudaAutodiff, Step, dx_buffer, register_linear_grads, rows_cols, submit_steps};
 use crate::error::SmpError;
 use crate::fp8::Fp8Format;
@@ -334,16 +334,15 @@ impl Fp8Step {
                 ];
                 // SAFETY: the kernel takes (bf16*, u64, u32*) as passed; `x` holds `len` bf16.
                 unsafe {
-                    cudarc::driver::result::launch_kernel(
+                    launch_ptx(
+                        "FP8 amax kernel",
                         engine.amax,
-                        (blocks, 1, 1),
-                        (256, 1, 1),
-                        0,
+                        (blocks, 1),
+                        256,
                         stream,
                         &mut params,
                     )
                 }
-                .map_err(|e| cuda_err("launching the FP8 amax kernel", e))
             }
             Self::Roll { state, format } => {
                 let (mut sp, _gs) = ptr(state)?;
@@ -351,16 +350,15 @@ impl Fp8Step {
                 let mut params = [(&mut sp as *mut u64).cast(), (&mut fmax as *mut f32).cast()];
                 // SAFETY: the kernel takes (u32*, f32); `state` holds HISTORY_STATE_WORDS words.
                 unsafe {
-                    cudarc::driver::result::launch_kernel(
+                    launch_ptx(
+                        "FP8 amax-history kernel",
                         engine.roll,
-                        (1, 1, 1),
-                        (1, 1, 1),
-                        0,
+                        (1, 1),
+                        1,
                         stream,
                         &mut params,
                     )
                 }
-                .map_err(|e| cuda_err("launching the FP8 amax-history kernel", e))
             }
             Self::Cast {
                 x,
@@ -385,7 +383,7 @@ impl Fp8Step {
                 let mut op = out.as_ref().map_or(0, |o| o.0);
                 let mut otp = out_t.as_ref().map_or(0, |o| o.0);
                 let (mut r, mut c) = (dim(*rows)?, dim(*cols)?);
-                let grid = (cols.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1);
+                let grid = (cols.div_ceil(64) as u32, rows.div_ceil(64) as u32);
                 let mut params = [
                     (&mut xp as *mut u64).cast(),
                     (&mut r as *mut i32).cast(),
@@ -402,17 +400,7 @@ impl Fp8Step {
                 };
                 // SAFETY: the kernel takes the parameters as passed; the buffers hold
                 // `rows x cols` values (bf16 in, bytes out), a u32 amax and an f32 descale.
-                unsafe {
-                    cudarc::driver::result::launch_kernel(
-                        f,
-                        grid,
-                        (256, 1, 1),
-                        0,
-                        stream,
-                        &mut params,
-                    )
-                }
-                .map_err(|e| cuda_err("launching the FP8 cast kernel", e))
+                unsafe { launch_ptx("FP8 cast kernel", f, grid, 256, stream, &mut params) }
             }
             Self::Gemm {
                 m,

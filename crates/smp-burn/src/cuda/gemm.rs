@@ -39,7 +39,7 @@ use cudarc::driver::sys as ds;
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
 use super::bridge::{Arg, Cube, CubeFn, CubeInner};
-use super::device::{CudaCube, cuda_err};
+use super::device::{CudaCube, cuda_err, launch_ptx};
 use super::nccl::{StreamBridge, collectives_issued};
 use crate::error::SmpError;
 
@@ -428,16 +428,15 @@ fn issue_on_server(
             // device buffer of this context (the guard and the signal state hold it); the
             // stream is the engine's own.
             unsafe {
-                cudarc::driver::result::launch_kernel(
+                launch_ptx(
+                    "GEMM wait kernel",
                     e.wait,
-                    (1, 1, 1),
-                    (1, 1, 1),
-                    0,
+                    (1, 1),
+                    1,
                     e.bridge.stream(),
                     &mut params,
-                )
+                )?;
             }
-            .map_err(|err| cuda_err("launching the GEMM wait kernel", err))?;
         }
         None => e.bridge.server_to_comm()?,
     }
