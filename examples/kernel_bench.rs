@@ -882,6 +882,14 @@ fn check_fp8() -> bool {
                 "tensorwise",
                 grads(&x, &w, &r, Fp8Recipe::Tensorwise, fresh()),
             ),
+            // The backward casting the weight again, as where a memory planner turns the
+            // forward's weight copies off.
+            ("tensorwise, weight cast again", {
+                smp_burn::cuda::fp8::keep_weight_copies(false);
+                let g = grads(&x, &w, &r, Fp8Recipe::Tensorwise, fresh());
+                smp_burn::cuda::fp8::keep_weight_copies(true);
+                g
+            }),
             (
                 "delayed 1st",
                 grads(&x, &w, &r, Fp8Recipe::Delayed, delayed),

@@ -156,6 +156,38 @@ fn offloading_changes_nothing_but_memory() {
     }
 }
 
+/// Selective recomputation: each recomputed layer keeps its attention's output and its
+/// recomputation takes it back (a layer whose recomputation found nothing kept, or left some
+/// unused, fails the step). The results are those of full recomputation, on 1 and 2 ranks,
+/// with one layer keeping its graph and with offloading. The CPU's reference attention
+/// recomputes to differentiate, so the values agree to rounding.
+#[test]
+fn selective_recomputation_matches_full() {
+    let reference = run(1, parallel(0, true), 2).remove(0);
+    let selective = ParallelConfig {
+        selective_recompute: true,
+        ..parallel(0, true)
+    };
+    assert_matches(
+        &reference,
+        &run(1, selective.clone(), 2).remove(0),
+        "1 rank, selective",
+    );
+    let partial_offloaded = ParallelConfig {
+        checkpointed_layers: Some(1),
+        activation_offloading: true,
+        activation_loading_horizon: 1,
+        ..selective
+    };
+    for r in run(2, partial_offloaded, 2) {
+        assert_matches(
+            &reference,
+            &r,
+            "2 ranks, selective, first layer recomputed and offloaded",
+        );
+    }
+}
+
 #[test]
 fn each_rank_holds_a_quarter_of_the_state() {
     let one = run(1, parallel(0, true), 1).remove(0);

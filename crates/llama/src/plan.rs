@@ -626,6 +626,7 @@ pub fn memory_per_gpu(w: &Workload, layout: &Layout, micro_batches: usize) -> u6
         shard_degree: layout.sdp,
         tp: layout.tp,
         offload_horizon: layout.offload.then_some(1),
+        fp8: layout.fp8,
         ..StepLayout::bf16(layout.micro_batch, w.seq_len)
     };
     let deferred = if micro_batches > 1 {

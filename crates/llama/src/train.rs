@@ -285,6 +285,11 @@ struct ParallelFlags {
     /// `activation_checkpointing`; at least the number of layers means all).
     #[arg(long, value_name = "N")]
     checkpointed_layers: Option<usize>,
+    /// Recomputed layers also keep their attention's output and statistics, so that their
+    /// recomputation skips attention's forward (at long sequences the larger part of it) for
+    /// one more `seq x hidden` tensor per layer; on CUDA the memory estimate counts it.
+    #[arg(long)]
+    selective_recompute: bool,
     /// Keep the input of each recomputed layer in host memory between its forward and its
     /// backward (SMP's activation offloading; implies `activation_checkpointing`). On CUDA
     /// without `checkpointed_layers`, the layers to recompute are chosen with the offloaded
@@ -330,6 +335,7 @@ impl From<ParallelFlags> for ParallelSection {
             reduce_dtype: f.reduce_dtype,
             activation_checkpointing: f.activation_checkpointing,
             checkpointed_layers: f.checkpointed_layers,
+            selective_recompute: f.selective_recompute,
             activation_offloading: f.activation_offloading,
             activation_loading_horizon: f.activation_loading_horizon,
             sequence_parallel: f.sequence_parallel,
@@ -348,6 +354,7 @@ impl From<ParallelSection> for ParallelFlags {
             reduce_dtype,
             activation_checkpointing,
             checkpointed_layers,
+            selective_recompute,
             activation_offloading,
             activation_loading_horizon,
             sequence_parallel,
@@ -360,6 +367,7 @@ impl From<ParallelSection> for ParallelFlags {
             reduce_dtype,
             activation_checkpointing,
             checkpointed_layers,
+            selective_recompute,
             activation_offloading,
             activation_loading_horizon,
             sequence_parallel,
@@ -999,6 +1007,18 @@ fn settle(
         if source(ac) < source(key) {
             c.parallel.activation_checkpointing = true;
         }
+    }
+    let selective = "parallel.selective_recompute";
+    if c.parallel.selective_recompute
+        && source(selective) > Source::Default
+        && source(ac) > Source::Default
+        && !c.parallel.activation_checkpointing
+    {
+        return conflict(
+            said(selective, &true),
+            said(ac, &false),
+            "keeps what the recomputed layers' attention computed",
+        );
     }
     // A typed horizon without offloading does nothing, which the user should hear; a file
     // (one written by --write-config lists every key) may hold it for a later run.
@@ -2417,6 +2437,17 @@ mod tests {
             e.contains("--checkpointed-layers 3") && e.contains("--activation-checkpointing false"),
             "{e}"
         );
+        let e = config_error(args(&[
+            "--selective-recompute",
+            "--activation-checkpointing",
+            "false",
+        ]));
+        assert!(
+            e.contains("--selective-recompute") && e.contains("--activation-checkpointing false"),
+            "{e}"
+        );
+        let r = args(&["--selective-recompute"]).unwrap();
+        assert!(r.config.parallel.selective_recompute);
         let f = file("[parallel]\ncheckpointed_layers = 3\nactivation_checkpointing = false\n");
         let e = config_error(with_file(&f, &[]));
         assert!(

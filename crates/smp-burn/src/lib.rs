@@ -33,6 +33,7 @@ pub mod ops;
 pub mod optim;
 pub mod plan;
 pub mod readback;
+pub mod selective;
 pub mod tp;
 
 /// The guide's complete program runs as a doc test, so the guide cannot drift from the API.

@@ -119,6 +119,8 @@ pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -
 /// `q: [batch, heads, seq, head_dim]`, `k`/`v: [batch, kv_heads, seq, head_dim]`; each key/value
 /// head serves `heads / kv_heads` query heads. Softmax runs in f32. This path stores the
 /// `seq x seq` scores; on CUDA in bf16 the flash kernels run instead (see [`crate::fast`]).
+/// Under selective recomputation it keeps its result in a layer's forward and takes it back in
+/// the layer's recomputation ([`crate::selective`]).
 pub fn causal_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -153,7 +155,18 @@ pub fn causal_attention<B: Backend>(
         .greater(idx.unsqueeze_dim::<2>(1));
     let bias = Tensor::<B, 2>::zeros([seq, seq], &device).mask_fill(future, -1e30);
     let scores = scores + bias.cast(DType::F32).unsqueeze::<4>();
-    softmax(scores, 3).cast(dtype).matmul(v)
+    let o = softmax(scores, 3).cast(dtype).matmul(v);
+    // Selective recomputation (see [`crate::selective`]): this path recomputes attention to
+    // differentiate it, and takes the value the layer's forward kept.
+    if crate::selective::recording() {
+        crate::selective::keep(o.clone());
+    } else if let Some(kept) = crate::selective::take::<Tensor<B, 4>>() {
+        if kept.dims() == o.dims() {
+            return kept.detach() + (o.clone() - o.detach());
+        }
+        crate::selective::mismatch();
+    }
+    o
 }
 
 /// The SwiGLU gate: `silu(gate) * up`.

@@ -20,6 +20,7 @@ use cubecl::cuda::CudaRuntime;
 use super::bridge::{Arg, Cube, CubeFn, CubeInner};
 use super::device::cuda_compute_capability;
 use super::flash::{self, flash_backward, flash_forward, mma_async_supported, mma_supported};
+use crate::selective;
 
 /// Whether the flash kernels take these inputs: half-precision floats, head dim 64 or 128,
 /// equal query and key lengths, whole groups of query heads per key/value head.
@@ -128,12 +129,21 @@ impl<I: CubeInner> Backward<I, 3> for FlashAttentionBackward {
 }
 
 /// Causal grouped-query attention (`q: [batch, heads, seq, head_dim]`, `k`/`v` with
-/// `kv_heads` heads) through the flash kernels on an autodiff CUDA backend.
+/// `kv_heads` heads) through the flash kernels on an autodiff CUDA backend. Under selective
+/// recomputation ([`crate::selective`]) a layer's forward keeps the output and statistics and
+/// its recomputation takes them back instead of running the forward kernel again.
 pub fn causal_attention_autodiff<I: CubeInner>(
     q: Tensor<Autodiff<I>, 4>,
     k: Tensor<Autodiff<I>, 4>,
     v: Tensor<Autodiff<I>, 4>,
 ) -> Tensor<Autodiff<I>, 4> {
+    use burn::tensor::TensorMetadata;
+    // What a selectively recomputed layer keeps of its attention: the output and the per-row
+    // log-sum-exp, all the flash backward needs besides q, k and v.
+    type Kept<I> = (
+        <I as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
+        <I as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
+    );
     let s = scale(q.dims()[3]);
     let (q, k, v) = (
         q.into_primitive().tensor(),
@@ -146,19 +156,33 @@ pub fn causal_attention_autodiff<I: CubeInner>(
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let (o, lse) = forward_on::<I>(
-                q.primitive.clone(),
-                k.primitive.clone(),
-                v.primitive.clone(),
-                s,
-            );
+            // A layer recomputed selectively takes the output and statistics its forward kept.
+            let kept = selective::take::<Kept<I>>().filter(|(o, _)| {
+                let fits = o.shape() == q.primitive.shape();
+                if !fits {
+                    selective::mismatch();
+                }
+                fits
+            });
+            let (o, lse) = kept.unwrap_or_else(|| {
+                forward_on::<I>(
+                    q.primitive.clone(),
+                    k.primitive.clone(),
+                    v.primitive.clone(),
+                    s,
+                )
+            });
             prep.finish(
                 (q.primitive, k.primitive, v.primitive, o.clone(), lse, s),
                 o,
             )
         }
         OpsKind::UnTracked(prep) => {
-            prep.finish(forward_on::<I>(q.primitive, k.primitive, v.primitive, s).0)
+            let (o, lse) = forward_on::<I>(q.primitive, k.primitive, v.primitive, s);
+            if selective::recording() {
+                selective::keep::<Kept<I>>((o.clone(), lse));
+            }
+            prep.finish(o)
         }
     };
     Tensor::from_primitive(TensorPrimitive::Float(out))

@@ -679,6 +679,7 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
             placements,
             device: device.clone(),
             checkpointing: config.checkpointing(),
+            selective_recompute: config.selective_recompute,
             offloading: config.offloading_horizon(),
             offloaded_bytes: 0,
             optimizer: self.optimizer.clone(),

@@ -318,6 +318,8 @@ where
     placements: std::collections::HashMap<burn::module::ParamId, Placement>,
     device: B::Device,
     checkpointing: ActivationCheckpointing,
+    /// Recomputed blocks keep their attention's results ([`crate::selective`]).
+    selective_recompute: bool,
     offloading: Option<usize>,
     offloaded_bytes: usize,
     optimizer: Optimizer<B::InnerBackend>,
@@ -343,6 +345,7 @@ where
             .field("blocks", &self.blocks.len())
             .field("tied", &self.tied.is_some())
             .field("checkpointing", &self.checkpointing)
+            .field("selective_recompute", &self.selective_recompute)
             .field("offloading", &self.offloading)
             .field("optimizer", &self.optimizer)
             .field("steps", &self.steps)

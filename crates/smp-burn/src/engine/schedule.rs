@@ -6,7 +6,9 @@
 //! graph and backpropagates the incoming gradient. Without it, the block's graph (and so its
 //! gathered parameters) is kept from the forward to the backward. With activation offloading
 //! the kept input waits in host memory instead ([`crate::offload`]) and comes back a few blocks
-//! ahead of its backward. With prefetch, a unit's all-gather is started before the previous
+//! ahead of its backward. With selective recomputation a recomputed block also keeps what its
+//! attention computed, and its recomputation runs everything else ([`crate::selective`]).
+//! With prefetch, a unit's all-gather is started before the previous
 //! unit's compute is queued, and in the backward a unit's reduce-scatter runs beside the next
 //! unit's backward; every rank issues the same collectives in the same order either way.
 
@@ -19,14 +21,16 @@ use crate::error::SmpError;
 use crate::fsdp::{ExternalParams, FsdpContext, ShardedUnit, clip_factor};
 use crate::loss::LossScope;
 use crate::offload::{HostActivation, offload};
+use crate::selective::{self, AttentionStash};
 use crate::tp::{Placement, TpGroup};
 
 /// What the forward keeps of a block for its backward.
 enum Saved<B: AutodiffBackend, K> {
-    /// The input of a block that recomputes its forward.
-    Input(Tensor<B::InnerBackend, 3>),
-    /// The same, in host memory (activation offloading).
-    Offloaded(HostActivation<B::InnerBackend, 3>),
+    /// The input of a block that recomputes its forward, and what its attention kept under
+    /// selective recomputation.
+    Input(Tensor<B::InnerBackend, 3>, AttentionStash),
+    /// The same, the input in host memory (activation offloading).
+    Offloaded(HostActivation<B::InnerBackend, 3>, AttentionStash),
     /// The block's graph.
     Graph {
         module: Box<K>,
@@ -257,18 +261,23 @@ where
             let unit = &self.blocks[i].unit;
             if self.checkpointing.recomputes(i) {
                 let block = unit.assemble_with(full, false, &plain);
-                let y = block.forward(x.clone(), &aux, &cx).detach();
+                let forward = || block.forward(x.clone(), &aux, &cx).detach();
+                let (y, stash) = if self.selective_recompute {
+                    selective::record(forward)
+                } else {
+                    (forward(), AttentionStash::default())
+                };
                 if self.offloading.is_some() {
                     let host = offload(x.inner())?;
                     self.offloaded_bytes += host.bytes();
-                    saved.push(Saved::Offloaded(host));
+                    saved.push(Saved::Offloaded(host, stash));
                     // The previous block's copy was queued a block's work ago: waiting for it
                     // now frees its device buffer without draining the queue.
-                    if let Some(Saved::Offloaded(previous)) = saved.iter_mut().rev().nth(1) {
+                    if let Some(Saved::Offloaded(previous, _)) = saved.iter_mut().rev().nth(1) {
                         previous.settle()?;
                     }
                 } else {
-                    saved.push(Saved::Input(x.inner()));
+                    saved.push(Saved::Input(x.inner(), stash));
                 }
                 x = y;
             } else {
@@ -334,7 +343,9 @@ where
                     .drain(keep..)
                     .rev()
                     .map(|entry| match entry {
-                        Saved::Offloaded(host) => host.reload().map(Saved::Input),
+                        Saved::Offloaded(host, stash) => {
+                            host.reload().map(|input| Saved::Input(input, stash))
+                        }
                         other => Ok(other),
                     })
                     .collect::<Result<Vec<_>, _>>()?;
@@ -343,8 +354,8 @@ where
             }
             let entry = saved.pop().expect("one saved entry per block");
             let (module, input, output) = match entry {
-                Saved::Offloaded(_) => unreachable!("brought back above"),
-                Saved::Input(input) => {
+                Saved::Offloaded(..) => unreachable!("brought back above"),
+                Saved::Input(input, stash) => {
                     let full = gathered(next_block.take(), &self.blocks[i].unit, &ctx)?;
                     if prefetch {
                         match self.recomputed_below(i) {
@@ -354,7 +365,11 @@ where
                     }
                     let block = self.blocks[i].unit.assemble_with(full, true, &tracked);
                     let input = Tensor::<B, 3>::from_inner(input).require_grad();
-                    let output = block.forward(input.clone(), &aux, &cx);
+                    let output = if self.selective_recompute {
+                        selective::replay(stash, i, || block.forward(input.clone(), &aux, &cx))?
+                    } else {
+                        block.forward(input.clone(), &aux, &cx)
+                    };
                     (block, input, output)
                 }
                 Saved::Graph {
