@@ -90,6 +90,10 @@ pub struct PlanArgs {
     /// has FP8 tensor cores and the calibration measured FP8's speedup).
     #[arg(long, value_name = "BOOL")]
     fp8: Option<bool>,
+    /// Only layouts with (true) or without (false) selective recomputation (offered where
+    /// layers are recomputed).
+    #[arg(long, value_name = "BOOL")]
+    selective: Option<bool>,
     /// Share of the collectives' time beside compute that is hidden (default: the calibration's,
     /// 0.3 as measured on two H200s; 1 is perfect overlap).
     #[arg(long)]
@@ -225,6 +229,7 @@ fn restrict(
             && args.sdp.is_none_or(|d| l.sdp == d)
             && args.micro_batch.is_none_or(|m| l.micro_batch == m)
             && args.fp8.is_none_or(|f| l.fp8 == f)
+            && args.selective.is_none_or(|s| l.selective == s)
     };
     ranked
         .into_iter()
@@ -591,6 +596,9 @@ pub fn auto_layout(
                     })
             && (!explicit("micro_batch") || l.micro_batch == config.micro_batch)
             && (!explicit("parallel.activation_offloading") || l.offload == p.activation_offloading)
+            && (!explicit("parallel.selective_recompute")
+                || l.selective == p.selective_recompute
+                || (l.recomputed_layers == 0 && p.selective_recompute))
             // FP8 changes the numerics: the planner follows the run's recipe, never picks it.
             && l.fp8 == smp_burn::kernel_config::fp8_recipe().enabled()
     };
@@ -622,6 +630,7 @@ pub fn auto_layout(
             plan::Layout {
                 recomputed_layers: recomputed,
                 offload: p.activation_offloading,
+                selective: p.selective_recompute && recomputed > 0,
                 ..best.layout
             },
         )
@@ -637,6 +646,9 @@ pub fn auto_layout(
         config.parallel.activation_checkpointing = l.recomputed_layers > 0;
         config.parallel.checkpointed_layers = Some(l.recomputed_layers);
         config.parallel.activation_offloading = l.offload && l.recomputed_layers > 0;
+        if !explicit("parallel.selective_recompute") {
+            config.parallel.selective_recompute = l.selective && l.recomputed_layers > 0;
+        }
     }
     tracing::info!(
         "planner (--auto): tp {}, shard degree {}, {} replica(s), micro-batch {} x {}, {} layer(s) \
