@@ -312,9 +312,9 @@ pub fn run(args: &PlanArgs) -> Result<(), DynError> {
             let (name, workload) = workload(model)?;
             println!(
                 "\n{name} on {preset}, S={}, {} tokens per step\n\n| nodes | GPUs | tp | sdp | \
-                 micro-batch x count | recomputed | offload | memory/GPU | step | exposed comm \
-                 | TFLOP/s/GPU | efficiency |\n| --- | --- | --- | --- | --- | --- | --- | --- \
-                 | --- | --- | --- | --- |",
+                 micro-batch x count | recomputed | offload | fp8 | memory/GPU | step | exposed \
+                 comm | TFLOP/s/GPU | efficiency |\n| --- | --- | --- | --- | --- | --- | --- \
+                 | --- | --- | --- | --- | --- | --- |",
                 args.seq_len, args.global_batch_tokens
             );
             let mut points = Vec::new();
@@ -325,7 +325,7 @@ pub fn run(args: &PlanArgs) -> Result<(), DynError> {
                 let ranked = restrict(args, &workload, &c, &cal, plan::search(&workload, &c, &cal));
                 let Some(best) = ranked.first().filter(|p| p.fits) else {
                     println!(
-                        "| {nodes} | {} | no layout fits | | | | | | | | | |",
+                        "| {nodes} | {} | no layout fits | | | | | | | | | | |",
                         c.world()
                     );
                     continue;
@@ -334,15 +334,17 @@ pub fn run(args: &PlanArgs) -> Result<(), DynError> {
                 let base = *first.get_or_insert(tflops);
                 let l = best.layout;
                 println!(
-                    "| {nodes} | {} | {} | {} | {} x {} | {} | {} | {:.1} GiB | {:.2} s | {:.2} s \
-                     | {tflops:.1} | {:.1} % |",
+                    "| {nodes} | {} | {} | {} | {} x {} | {}{} | {} | {} | {:.1} GiB | {:.2} s | \
+                     {:.2} s | {tflops:.1} | {:.1} % |",
                     c.world(),
                     l.tp,
                     l.sdp,
                     l.micro_batch,
                     best.micro_batches,
                     l.recomputed_layers,
+                    if l.selective { " (selective)" } else { "" },
                     if l.offload { "yes" } else { "no" },
+                    if l.fp8 { "yes" } else { "no" },
                     best.memory_bytes as f64 / (1u64 << 30) as f64,
                     best.step_s,
                     best.exposed_comm_s,
