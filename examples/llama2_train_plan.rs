@@ -334,13 +334,18 @@ pub fn run(args: &PlanArgs) -> Result<(), DynError> {
                 let base = *first.get_or_insert(tflops);
                 let l = best.layout;
                 println!(
-                    "| {nodes} | {} | {} | {} | {} x {} | {}{} | {} | {} | {:.1} GiB | {:.2} s | \
+                    "| {nodes} | {} | {} | {} | {} x {}{} | {}{} | {} | {} | {:.1} GiB | {:.2} s | \
                      {:.2} s | {tflops:.1} | {:.1} % |",
                     c.world(),
                     l.tp,
                     l.sdp,
                     l.micro_batch,
                     best.micro_batches,
+                    if l.reduce_every_micro_batch {
+                        ", reduced each"
+                    } else {
+                        ""
+                    },
                     l.recomputed_layers,
                     if l.selective { " (selective)" } else { "" },
                     if l.offload { "yes" } else { "no" },
@@ -607,7 +612,13 @@ pub fn auto_layout(
     let ranked = plan::search(&workload, &cluster, &calibration);
     let best = ranked
         .into_iter()
-        .find(|c| c.fits && keeps(&c.layout))
+        .find(|c| {
+            // A layout of one micro-batch reduces once either way.
+            let reduces_as_asked = !explicit("parallel.reduce_every_micro_batch")
+                || c.layout.reduce_every_micro_batch == p.reduce_every_micro_batch
+                || c.micro_batches == 1;
+            c.fits && keeps(&c.layout) && reduces_as_asked
+        })
         .ok_or_else(|| {
             format!(
                 "--auto: no layout of {} tokens per step in sequences of {} fits {world} x {} \
@@ -651,6 +662,9 @@ pub fn auto_layout(
         if !explicit("parallel.selective_recompute") {
             config.parallel.selective_recompute = l.selective && l.recomputed_layers > 0;
         }
+    }
+    if !explicit("parallel.reduce_every_micro_batch") {
+        config.parallel.reduce_every_micro_batch = l.reduce_every_micro_batch;
     }
     tracing::info!(
         "planner (--auto): tp {}, shard degree {}, {} replica(s), micro-batch {} x {}, {} layer(s) \

@@ -156,6 +156,27 @@ fn offloading_changes_nothing_but_memory() {
     }
 }
 
+/// Reducing after every micro-batch (no full-gradient accumulation between them) gives the
+/// results of reducing once per step: on 2 ranks with full sharding and on 4 with hybrid
+/// sharding, 2 micro-batches each.
+#[test]
+fn reducing_every_micro_batch_matches_one_rank() {
+    let reference = run(1, parallel(0, true), 2).remove(0);
+    for (world, degree) in [(2, 0), (4, 2)] {
+        let each = ParallelConfig {
+            reduce_every_micro_batch: true,
+            ..parallel(degree, true)
+        };
+        for r in run(world, each, 2) {
+            assert_matches(
+                &reference,
+                &r,
+                &format!("{world} ranks, shard degree {degree}, reduced every micro-batch"),
+            );
+        }
+    }
+}
+
 /// Selective recomputation: each recomputed layer keeps its attention's output and its
 /// recomputation takes it back (a layer whose recomputation found nothing kept, or left some
 /// unused, fails the step). The results are those of full recomputation, on 1 and 2 ranks,

@@ -161,9 +161,9 @@ pub fn train_rank(
                 Tensor::<Cpu, 2, Int>::from_data(TensorData::new(inputs, [local, seq]), &device);
             let targets =
                 Tensor::<Cpu, 2, Int>::from_data(TensorData::new(targets, [local, seq]), &device);
-            let last = mb + 1 == micro_batches;
+            let sync = mb + 1 == micro_batches || parallel.reduce_every_micro_batch;
             model
-                .forward_backward(tokens, targets, 1.0 / micro_batches as f32, last)
+                .forward_backward(tokens, targets, 1.0 / micro_batches as f32, sync)
                 .expect("step");
         }
         let stats = model.step(1e-2).expect("optimizer");

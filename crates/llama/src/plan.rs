@@ -61,6 +61,9 @@ pub struct Layout {
     pub selective: bool,
     /// The blocks' linear layers compute in FP8 (`--fp8 tensorwise`).
     pub fp8: bool,
+    /// Gradients are reduced after every micro-batch instead of accumulated unsharded until
+    /// the last (`--reduce-every-micro-batch true`).
+    pub reduce_every_micro_batch: bool,
 }
 
 /// A [`Layout`]'s predicted cost on a cluster.
@@ -635,7 +638,7 @@ pub fn memory_per_gpu(w: &Workload, layout: &Layout, micro_batches: usize) -> u6
         fp8: false,
         ..StepLayout::bf16(layout.micro_batch, w.seq_len)
     };
-    let deferred = if micro_batches > 1 {
+    let deferred = if micro_batches > 1 && !layout.reduce_every_micro_batch {
         w.model.num_parameters() as u64 * 4 / layout.tp as u64
     } else {
         0
@@ -740,7 +743,7 @@ pub fn predict(
     let mut exposed = 0.0;
     let mut comm = 0.0;
     for micro in 0..micro_batches {
-        let sync = micro + 1 == micro_batches;
+        let sync = micro + 1 == micro_batches || layout.reduce_every_micro_batch;
         // Forward: the stem's gather and the first layer's (beside nothing) are exposed; each
         // later unit's gather runs beside the unit before it.
         exposed += gather_edge + gather_block;
@@ -850,9 +853,12 @@ pub fn search(w: &Workload, cluster: &Cluster, calibration: &Calibration) -> Vec
             degrees.push(dp);
         }
         for &sdp in &degrees {
-            for (micro_batch, offload, fp8, selective) in
+            for (micro_batch, offload, fp8, selective, reduce_every_micro_batch) in
                 [1, 2, 4, 8, 16].into_iter().flat_map(|mb| {
-                    (0..8).map(move |bits| (mb, bits & 1 != 0, bits & 2 != 0, bits & 4 != 0))
+                    (0..16).map(move |bits| {
+                        let bit = |b: u32| bits & (1 << b) != 0;
+                        (mb, bit(0), bit(1), bit(2), bit(3))
+                    })
                 })
             {
                 {
@@ -864,10 +870,15 @@ pub fn search(w: &Workload, cluster: &Cluster, calibration: &Calibration) -> Vec
                         offload,
                         selective,
                         fp8,
+                        reduce_every_micro_batch,
                     };
                     let Some(first) = predict(w, cluster, calibration, at(0)) else {
                         continue;
                     };
+                    // Reducing every micro-batch differs only where there are several.
+                    if reduce_every_micro_batch && first.micro_batches == 1 {
+                        continue;
+                    }
                     let fits = |r| memory_per_gpu(w, &at(r), first.micro_batches) <= budget;
                     let recomputed = (0..=layers).find(|&r| fits(r));
                     // Offloading and selective recomputation only pay where something is
@@ -908,13 +919,18 @@ pub fn format_predictions(predictions: &[Prediction], peak_flops: f64, rows: usi
         let l = &p.layout;
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} x {} | {} | {} | {} | {} | {:.1} GiB{} | {:.3} s | {:.3} s | \
+            "| {} | {} | {} | {} x {}{} | {} | {} | {} | {} | {:.1} GiB{} | {:.3} s | {:.3} s | \
              {:.3} s ({:.3}) | {:.3} s | {:.0} | {:.1} | {:.1} % |",
             l.tp,
             l.sdp,
             p.replicas,
             l.micro_batch,
             p.micro_batches,
+            if l.reduce_every_micro_batch {
+                ", reduced each"
+            } else {
+                ""
+            },
             l.recomputed_layers,
             if l.selective { "yes" } else { "no" },
             if l.offload { "yes" } else { "no" },
@@ -1228,6 +1244,7 @@ mod tests {
                     offload: false,
                     selective,
                     fp8: false,
+                    reduce_every_micro_batch: false,
                 },
             )
             .unwrap()

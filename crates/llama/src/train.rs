@@ -309,6 +309,11 @@ struct ParallelFlags {
     /// 2 H200s 432-439 against 459-463 ms per step.
     #[arg(long, default_value_t = 1)]
     prefetch_depth: usize,
+    /// Reduce gradients after every micro-batch (true) or only after the last one of a step
+    /// (false: the full f32 gradient is accumulated locally, FSDP's `no_sync`). True trades a
+    /// reduction per micro-batch for that gradient's memory.
+    #[arg(long, action = ArgAction::Set, default_value_t = false, value_name = "BOOL")]
+    reduce_every_micro_batch: bool,
 }
 
 impl Default for ParallelFlags {
@@ -340,6 +345,7 @@ impl From<ParallelFlags> for ParallelSection {
             activation_loading_horizon: f.activation_loading_horizon,
             sequence_parallel: f.sequence_parallel,
             prefetch_depth: f.prefetch_depth,
+            reduce_every_micro_batch: f.reduce_every_micro_batch,
         })
     }
 }
@@ -359,6 +365,7 @@ impl From<ParallelSection> for ParallelFlags {
             activation_loading_horizon,
             sequence_parallel,
             prefetch_depth,
+            reduce_every_micro_batch,
         } = s.0;
         Self {
             hybrid_shard_degree,
@@ -372,6 +379,7 @@ impl From<ParallelSection> for ParallelFlags {
             activation_loading_horizon,
             sequence_parallel,
             prefetch_depth,
+            reduce_every_micro_batch,
         }
     }
 }
@@ -1458,8 +1466,8 @@ pub fn train_rank<B: AutodiffBackend>(
                 mesh.dp_size(),
             )?;
             let (inputs, targets) = tensors::<B>(&batch, device);
-            let last = micro + 1 == accum;
-            model.forward_backward(inputs, targets, 1.0 / accum as f32, last)?;
+            let sync = micro + 1 == accum || cfg.parallel.reduce_every_micro_batch;
+            model.forward_backward(inputs, targets, 1.0 / accum as f32, sync)?;
             if lead && !offload_reported && model.offloaded_bytes() > 0 {
                 offload_reported = true;
                 tracing::info!(

@@ -78,6 +78,13 @@ pub struct ParallelConfig {
     /// prefetch): it holds one more unit's gathered parameters and made 7B on 2 H200s 5-6 %
     /// faster.
     pub prefetch_depth: usize,
+    /// Reduce the gradients after every micro-batch instead of only after the last one (SMP's
+    /// and DeepSpeed's accumulation; FSDP2 with `set_requires_gradient_sync(True)` throughout).
+    /// Each micro-batch then pays a gradient reduction, but no rank holds the full unsharded
+    /// f32 gradient between micro-batches, which a large model sharded over many GPUs cannot
+    /// afford (Llama 2 70B: 280 GB). The engine's callers pass it as
+    /// `forward_backward`'s `sync`.
+    pub reduce_every_micro_batch: bool,
 }
 
 impl Default for ParallelConfig {
@@ -94,6 +101,7 @@ impl Default for ParallelConfig {
             activation_loading_horizon: 2,
             sequence_parallel: true,
             prefetch_depth: 1,
+            reduce_every_micro_batch: false,
         }
     }
 }
