@@ -680,6 +680,7 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
             device: device.clone(),
             checkpointing: config.checkpointing(),
             selective_recompute: config.selective_recompute,
+            reduce_every_micro_batch: config.reduce_every_micro_batch,
             offloading: config.offloading_horizon(),
             offloaded_bytes: 0,
             optimizer: self.optimizer.clone(),

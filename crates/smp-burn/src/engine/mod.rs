@@ -320,6 +320,9 @@ where
     checkpointing: ActivationCheckpointing,
     /// Recomputed blocks keep their attention's results ([`crate::selective`]).
     selective_recompute: bool,
+    /// [`Engine::train_step`] reduces after every micro-batch
+    /// ([`ParallelConfig::reduce_every_micro_batch`](crate::ParallelConfig)).
+    reduce_every_micro_batch: bool,
     offloading: Option<usize>,
     offloaded_bytes: usize,
     optimizer: Optimizer<B::InnerBackend>,
@@ -346,6 +349,7 @@ where
             .field("tied", &self.tied.is_some())
             .field("checkpointing", &self.checkpointing)
             .field("selective_recompute", &self.selective_recompute)
+            .field("reduce_every_micro_batch", &self.reduce_every_micro_batch)
             .field("offloading", &self.offloading)
             .field("optimizer", &self.optimizer)
             .field("steps", &self.steps)

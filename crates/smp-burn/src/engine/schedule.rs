@@ -509,7 +509,8 @@ where
         }
         let n = micro.len();
         for (i, (tokens, targets)) in micro.into_iter().enumerate() {
-            self.forward_backward(tokens, targets, 1.0 / n as f32, i + 1 == n)?;
+            let sync = i + 1 == n || self.reduce_every_micro_batch;
+            self.forward_backward(tokens, targets, 1.0 / n as f32, sync)?;
         }
         self.step(lr)
     }
