@@ -850,6 +850,31 @@ fn forget_input_cast() {
     LAST_INPUT_CAST.with(|c| c.borrow_mut().take());
 }
 
+/// Pushes the cast of `t` (`[rows, cols]`) by `scale` to `format`, into the row-major copy
+/// `out` and the transposed copy `out_t` where given, and returns the descale it writes.
+fn push_cast(
+    steps: &mut Vec<Fp8Step>,
+    t: &Cube,
+    [rows, cols]: [usize; 2],
+    scale: &KeptScale,
+    format: Fp8Format,
+    out: Option<&Cube>,
+    out_t: Option<&Cube>,
+) -> Cube {
+    let descale = scalar(t, BurnDType::F32);
+    steps.push(Fp8Step::Cast {
+        x: binding(t),
+        rows,
+        cols,
+        scale: scale.source(),
+        format,
+        out: out.map(binding),
+        out_t: out_t.map(binding),
+        descale: binding(&descale),
+    });
+    descale
+}
+
 fn scalar(like: &Cube, dtype: BurnDType) -> Cube {
     empty_device_contiguous_dtype(
         like.client.clone(),
@@ -915,18 +940,17 @@ pub fn linear_fp8_forward(
         Some((x8, x8t, descale)) => (x8, x8t.filter(|_| keep_x_t), descale),
         None => {
             let x_scale = scale_steps(&x, m * k, layer.map(|l| (l, Role::Input)), e4, &mut steps);
-            let (x8, x_descale) = (bytes(&x, m, k), scalar(&x, BurnDType::F32));
+            let x8 = bytes(&x, m, k);
             let x8t = keep_x_t.then(|| bytes(&x, k, m));
-            steps.push(Fp8Step::Cast {
-                x: binding(&x),
-                rows: m,
-                cols: k,
-                scale: x_scale.source(),
-                format: e4,
-                out: Some(binding(&x8)),
-                out_t: x8t.as_ref().map(binding),
-                descale: binding(&x_descale),
-            });
+            let x_descale = push_cast(
+                &mut steps,
+                &x,
+                [m, k],
+                &x_scale,
+                e4,
+                Some(&x8),
+                x8t.as_ref(),
+            );
             if let Some(key) = input {
                 LAST_INPUT_CAST.with(|c| {
                     *c.borrow_mut() = Some(InputCast {
@@ -941,18 +965,17 @@ pub fn linear_fp8_forward(
         }
     };
     let w_scale = scale_steps(&w, n * k, layer.map(|l| (l, Role::Weight)), e4, &mut steps);
-    let (w8, w_descale) = (bytes(&x, n, k), scalar(&x, BurnDType::F32));
+    let w8 = bytes(&x, n, k);
     let w8t = (keep_w && weight_copy).then(|| bytes(&x, k, n));
-    steps.push(Fp8Step::Cast {
-        x: binding(&w),
-        rows: n,
-        cols: k,
-        scale: w_scale.source(),
-        format: e4,
-        out: Some(binding(&w8)),
-        out_t: w8t.as_ref().map(binding),
-        descale: binding(&w_descale),
-    });
+    let w_descale = push_cast(
+        &mut steps,
+        &w,
+        [n, k],
+        &w_scale,
+        e4,
+        Some(&w8),
+        w8t.as_ref(),
+    );
     // Column-major y^T [n, m] = w8 (k x n)^T x8 (k x m).
     steps.push(Fp8Step::Gemm {
         m: n,
@@ -1018,19 +1041,17 @@ pub fn linear_fp8_backward(
         e5,
         &mut steps,
     );
-    let dy_descale = scalar(&dy, BurnDType::F32);
     let dy8 = saved.w.as_ref().map(|_| bytes(&dy, m, n));
     let dy8t = saved.x_t.as_ref().map(|_| bytes(&dy, n, m));
-    steps.push(Fp8Step::Cast {
-        x: binding(&dy),
-        rows: m,
-        cols: n,
-        scale: dy_scale.source(),
-        format: e5,
-        out: dy8.as_ref().map(binding),
-        out_t: dy8t.as_ref().map(binding),
-        descale: binding(&dy_descale),
-    });
+    let dy_descale = push_cast(
+        &mut steps,
+        &dy,
+        [m, n],
+        &dy_scale,
+        e5,
+        dy8.as_ref(),
+        dy8t.as_ref(),
+    );
     let gradient_operand = |data: &Cube, ld| Fp8Operand {
         data: binding(data),
         ld,
@@ -1043,17 +1064,16 @@ pub fn linear_fp8_backward(
                 WeightForDx::Cast(copy) => *copy,
                 WeightForDx::Scale(w_scale) => {
                     let w = into_contiguous(w.expect("FP8 linear backward: the weight, to cast"));
-                    let (w8t, w_descale) = (bytes(&dy, k, n), scalar(&dy, BurnDType::F32));
-                    steps.push(Fp8Step::Cast {
-                        x: binding(&w),
-                        rows: n,
-                        cols: k,
-                        scale: w_scale.source(),
-                        format: Fp8Format::E4M3,
-                        out: None,
-                        out_t: Some(binding(&w8t)),
-                        descale: binding(&w_descale),
-                    });
+                    let w8t = bytes(&dy, k, n);
+                    let w_descale = push_cast(
+                        &mut steps,
+                        &w,
+                        [n, k],
+                        &w_scale,
+                        Fp8Format::E4M3,
+                        None,
+                        Some(&w8t),
+                    );
                     (w8t, w_descale)
                 }
             };
