@@ -15,7 +15,10 @@
 //! forward and backward kernel the device runs (`smp_burn::FlashForward`,
 //! `smp_burn::FlashBackward`) is compared on O, lse, dQ, dK and dV: max abs error and relative
 //! error (max |a - b| / max |b|); it fails (exit 1) above 2e-2, unless the max abs error is
-//! below 1e-4 (a reference that is zero up to rounding, e.g. dQ and dK at S = 1).
+//! below 1e-4 (a reference that is zero up to rounding, e.g. dQ and dK at S = 1). Packed
+//! documents (`documents` lines) run as training runs them, through
+//! `smp_burn::ops::causal_attention_in_documents` and Burn's autodiff, against the reference
+//! with a block-causal mask.
 //!
 //! Bench: causal, `--batch` (1), `--heads` (32 query and kv heads), `--head-dim` (128), each
 //! length of `--seq` (4096 and 16384); forward and backward TFLOP/s of every kernel (forward
@@ -42,7 +45,7 @@ use smp_burn::cuda::flash::{
     backward_supported, current_kernels, flash_backward_with, flash_forward_with,
     forward_supported, mma_fragment_probe, mma_supported,
 };
-use smp_burn::{FlashBackward, FlashForward};
+use smp_burn::{Documents, FlashBackward, FlashForward};
 
 type Ct = CubeTensor<CudaRuntime>;
 
@@ -146,12 +149,13 @@ fn errors(a: &[f32], b: &[f32]) -> (f32, f32) {
 }
 
 /// Causal attention and its gradients in f32 with Burn's ops on the GPU: `[o, lse, dq, dk, dv]`
-/// for the upstream gradient `d_o`.
+/// for the upstream gradient `d_o`; with `documents`, only inside each document.
 fn reference(
     q: &Tensor<G, 4>,
     k: &Tensor<G, 4>,
     v: &Tensor<G, 4>,
     d_o: &Tensor<G, 4>,
+    documents: Option<&Documents>,
 ) -> [Vec<f32>; 5] {
     type A = Autodiff<G>;
     let [b, hq, s, d] = q.dims();
@@ -166,16 +170,19 @@ fn reference(
             .expand([b, hkv, hq / hkv, s, d])
             .reshape([b, hq, s, d])
     };
-    let idx = Tensor::<A, 1, Int>::arange(0..s as i64, &dev);
-    let future: Tensor<A, 2, Bool> = idx
-        .clone()
-        .unsqueeze_dim::<2>(0)
-        .greater(idx.unsqueeze_dim::<2>(1));
+    // Key j is hidden from query i of row r when it follows i or lies in another document.
+    let doc =
+        |r: usize, i: usize| documents.and_then(|ds| ds.spans(r).position(|sp| sp.contains(&i)));
+    let hidden: Vec<bool> = (0..b)
+        .flat_map(|r| (0..s).flat_map(move |i| (0..s).map(move |j| (r, i, j))))
+        .map(|(r, i, j)| j > i || doc(r, i) != doc(r, j))
+        .collect();
+    let hidden = Tensor::<A, 4, Bool>::from_data(TensorData::new(hidden, [b, 1, s, s]), &dev);
     let scores = qa
         .clone()
         .matmul(expand(ka.clone()).swap_dims(2, 3))
         .mul_scalar(1.0 / (d as f64).sqrt())
-        .mask_fill(future.unsqueeze::<4>().expand([b, hq, s, s]), -1.0e30);
+        .mask_fill(hidden.expand([b, hq, s, s]), -1.0e30);
     let plain = scores.clone().inner();
     let max = plain.clone().max_dim(3);
     let lse = (plain - max.clone()).exp().sum_dim(3).log() + max;
@@ -225,7 +232,7 @@ fn check_shape(
         }
     };
     let (q, k, v, d_o) = (rnd(hq, gain), rnd(hkv, 1.0), rnd(hkv, 1.0), rnd(hq, 1.0));
-    let [o_ref, lse_ref, dq_ref, dk_ref, dv_ref] = reference(&q, &k, &v, &d_o);
+    let [o_ref, lse_ref, dq_ref, dk_ref, dv_ref] = reference(&q, &k, &v, &d_o, None);
     let scale = 1.0 / (d as f32).sqrt();
     let shape = format!(
         "B{b}_Hq{hq}_Hkv{hkv}_S{s}_D{d}{}{}",
@@ -296,6 +303,51 @@ fn check_shape(
                 &host(wrap::<4>(got)),
                 want,
             ));
+        }
+    }
+    failed
+}
+
+/// Packed documents as training runs them (`ops::causal_attention_in_documents`: the default
+/// flash kernels on each document's slice of its row, under Burn's autodiff) against the
+/// block-causal reference; returns the number of failed comparisons.
+fn check_documents(dev: &CudaDevice) -> usize {
+    type A = Autodiff<G>;
+    let mut failed = 0;
+    // Documents of 1 token, lengths off every block size, a row with a single document.
+    let cases: [(usize, usize, usize, Vec<Vec<usize>>); 2] = [
+        (4, 2, 128, vec![vec![100, 37, 163], vec![300]]),
+        (4, 4, 64, vec![vec![1, 511, 512]]),
+    ];
+    for (hq, hkv, d, rows) in cases {
+        let (b, s) = (rows.len(), rows[0].iter().sum::<usize>());
+        let shape = format!("B{b}_Hq{hq}_Hkv{hkv}_S{s}_D{d}_docs{rows:?}").replace(' ', "");
+        let documents = Documents::from_lengths(s, rows).expect("documents");
+        let rnd = |h: usize| {
+            Tensor::<G, 4>::random([b, h, s, d], Distribution::Normal(0.0, 1.0), dev)
+                .cast(DType::BF16)
+        };
+        let (q, k, v, d_o) = (rnd(hq), rnd(hkv), rnd(hkv), rnd(hq));
+        let [o_ref, _, dq_ref, dk_ref, dv_ref] = reference(&q, &k, &v, &d_o, Some(&documents));
+        let leaf = |t: &Tensor<G, 4>| Tensor::<A, 4>::from_inner(t.clone()).require_grad();
+        let (qa, ka, va) = (leaf(&q), leaf(&k), leaf(&v));
+        let o = smp_burn::ops::causal_attention_in_documents(
+            qa.clone(),
+            ka.clone(),
+            va.clone(),
+            &documents,
+        );
+        let grads = (o.clone() * Tensor::<A, 4>::from_inner(d_o))
+            .sum()
+            .backward();
+        let grad = |t: &Tensor<A, 4>| host(t.grad(&grads).expect("gradient"));
+        for (name, got, want) in [
+            ("O", host(o.inner()), &o_ref),
+            ("dQ", grad(&qa), &dq_ref),
+            ("dK", grad(&ka), &dk_ref),
+            ("dV", grad(&va), &dv_ref),
+        ] {
+            failed += usize::from(!report("documents", &shape, name, &got, want));
         }
     }
     failed
@@ -517,6 +569,7 @@ fn main() {
         for (i, &shape) in shapes.iter().enumerate() {
             failures += check_shape(&dev, &args, shape, i % 2 == 1);
         }
+        failures += check_documents(&dev);
         if failures == 0 {
             println!("flash_check: all checks passed");
         } else {

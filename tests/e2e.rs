@@ -754,3 +754,44 @@ fn a_corpus_shorter_than_one_batch_is_refused() {
     };
     assert_eq!(train(fits, 2).steps, 1);
 }
+
+/// With `document_masking`, rows packed from many short documents train alike on one and two
+/// ranks (tolerance as in `two_ranks_match_one_rank`), and differently from the same rows
+/// without it (most rows hold parts of two or more documents, so the mask and the restarted
+/// positions change every step's loss).
+#[test]
+fn document_masking_matches_across_ranks_and_changes_training() {
+    let fx = Fixture::new();
+    let corpus = std::fs::read_to_string(&fx.base_config("x").data).expect("corpus");
+    // Two lines per document: some 30 tokens, about a 32-token row.
+    let lines: Vec<&str> = corpus.lines().filter(|l| !l.trim().is_empty()).collect();
+    let jsonl: String = lines
+        .chunks(2)
+        .map(|c| serde_json::json!({ "text": c.join("\n") }).to_string() + "\n")
+        .collect();
+    let data = fx.path("docs.jsonl");
+    std::fs::write(&data, jsonl).expect("write documents");
+    let masked = |name: &str, micro_batch, document_masking| TrainConfig {
+        data: data.to_string_lossy().into_owned(),
+        micro_batch,
+        document_masking,
+        ..config(&fx, name)
+    };
+    let one = train(masked("one", 4, true), 1);
+    let two = train(masked("two", 2, true), 2);
+    let plain = train(masked("plain", 4, false), 1);
+    assert!(
+        one.losses[5] < one.losses[0],
+        "the model should learn: {:?}",
+        one.losses
+    );
+    smp_burn_tests::trainer::assert_losses(&two.losses, &one.losses, "2 ranks, masked");
+    for (step, (a, b)) in one.losses.iter().zip(&plain.losses).enumerate().skip(1) {
+        assert!(
+            (a - b).abs() > 1e-4 * a.abs(),
+            "step {step}: masked loss {a} equals the unmasked {b}"
+        );
+    }
+    let (a, b) = (one.final_val_loss.unwrap(), two.final_val_loss.unwrap());
+    assert!((a - b).abs() <= 1e-4 * a, "validation loss {b} vs {a}");
+}

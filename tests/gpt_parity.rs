@@ -539,7 +539,7 @@ fn misuse_is_an_error() {
             .unwrap();
         let none = engine.step(1e-3).unwrap_err().to_string();
         let (x, y) = one_batch();
-        engine.forward_backward(x, y, 1.0, false).unwrap();
+        engine.forward_backward((x, y), 1.0, false).unwrap();
         (none, engine.step(1e-3).unwrap_err().to_string())
     });
     let (none, deferred) = &errors[0];
@@ -558,7 +558,7 @@ fn misuse_is_an_error() {
         };
         let (x, y) = one_batch();
         engine
-            .forward_backward(x, y, 1.0, true)
+            .forward_backward((x, y), 1.0, true)
             .unwrap_err()
             .to_string()
     });
@@ -580,7 +580,7 @@ fn misuse_is_an_error() {
         let (x, y) = one_batch();
         let odd = |t: Tensor<Cpu, 2, Int>| t.narrow(1, 0, 7);
         engine
-            .forward_backward(odd(x), odd(y), 1.0, true)
+            .forward_backward((odd(x), odd(y)), 1.0, true)
             .unwrap_err()
             .to_string()
     });
@@ -738,7 +738,7 @@ fn plan_and_values_misuse_is_an_error() {
         };
         let (x, y) = one_batch();
         engine
-            .forward_backward(x, y, 1.0, true)
+            .forward_backward((x, y), 1.0, true)
             .unwrap_err()
             .to_string()
     });

@@ -11,10 +11,10 @@ use burn_ndarray::NdArray;
 use collectives::Communicator;
 use llama::LlamaConfig;
 use llama::parallel::{Build, build, seeded_init};
-use smp_burn::ParallelConfig;
-use smp_burn::engine::StateKind;
+use smp_burn::engine::{MicroBatch, StateKind};
 use smp_burn::fsdp::AdamW;
 use smp_burn::mesh::Mesh;
+use smp_burn::{Documents, ParallelConfig};
 
 /// `smp-run` and `llama2_train`, built (once per test process) into the profile directory this
 /// test runs from: `<target>/<profile>/deps/<this test>` gives `<target>/<profile>`.
@@ -121,6 +121,24 @@ pub fn train_rank(
     seq: usize,
     micro_batches: usize,
 ) -> RunResult {
+    train_rank_packed(
+        comm,
+        parallel,
+        config,
+        (steps, global_batch, seq, micro_batches),
+        None,
+    )
+}
+
+/// [`train_rank`] with `(steps, global_batch, seq, micro_batches)`, every row packed with
+/// documents of `document_lengths` (summing to `seq`) when given.
+pub fn train_rank_packed(
+    comm: Arc<dyn Communicator>,
+    parallel: &ParallelConfig,
+    config: &LlamaConfig,
+    (steps, global_batch, seq, micro_batches): (usize, usize, usize, usize),
+    document_lengths: Option<&[usize]>,
+) -> RunResult {
     let device = Default::default();
     let mesh = Mesh::<NdArray<f32>>::over_host(comm, parallel).expect("mesh");
     // A large epsilon keeps Adam's update proportional to the gradient for tiny gradients, where
@@ -157,13 +175,20 @@ pub fn train_rank(
                 .flat_map(|r| r[..seq].to_vec())
                 .collect();
             let targets: Vec<i64> = rows.chunks(seq + 1).flat_map(|r| r[1..].to_vec()).collect();
+            let documents = document_lengths.map(|lengths| {
+                Documents::from_lengths(seq, vec![lengths.to_vec(); local]).expect("documents")
+            });
             let tokens =
                 Tensor::<Cpu, 2, Int>::from_data(TensorData::new(inputs, [local, seq]), &device);
             let targets =
                 Tensor::<Cpu, 2, Int>::from_data(TensorData::new(targets, [local, seq]), &device);
+            let micro = match documents {
+                Some(documents) => MicroBatch::packed(tokens, targets, documents),
+                None => (tokens, targets).into(),
+            };
             let sync = mb + 1 == micro_batches || parallel.reduce_every_micro_batch;
             model
-                .forward_backward(tokens, targets, 1.0 / micro_batches as f32, sync)
+                .forward_backward(micro, 1.0 / micro_batches as f32, sync)
                 .expect("step");
         }
         let stats = model.step(1e-2).expect("optimizer");

@@ -14,7 +14,7 @@
 use collectives::{CommOptions, run_on_threads};
 use llama::LlamaConfig;
 use smp_burn::{ParallelConfig, ParallelDims};
-use smp_burn_tests::{RunResult, assert_matches, train_rank};
+use smp_burn_tests::{RunResult, assert_matches, train_rank, train_rank_packed};
 
 const STEPS: usize = 3;
 /// Divisible by every data-parallel size used here (1, 2, 4).
@@ -128,6 +128,48 @@ fn tp2_with_fsdp2_matches_one_rank() {
         &reference,
         &run(&config, 4, &prefetch, STEPS, 1),
         "tp 2 x shard 2, prefetch",
+    );
+}
+
+/// Rows packed with three documents each: TP 2 x FSDP 2 with selective recomputation (the
+/// attention of each document kept and taken back in order) trains like one rank with the same
+/// packing, and the packing changes what is learned (so it is not ignored).
+#[test]
+fn packed_documents_match_one_rank() {
+    let config = tiny();
+    let lengths = [5, 7, 4];
+    let packed = |world: usize, parallel: &ParallelConfig| {
+        let opts = CommOptions {
+            timeout: std::time::Duration::from_secs(60),
+        };
+        run_on_threads(world, opts, |comm| {
+            train_rank_packed(
+                comm,
+                parallel,
+                &config,
+                (STEPS, GLOBAL_BATCH, SEQ, 1),
+                Some(&lengths),
+            )
+        })
+    };
+    let reference = packed(1, &parallel(1, 0, true)).remove(0);
+    let unpacked = run(&config, 1, &parallel(1, 0, true), STEPS, 1).remove(0);
+    for (step, (a, b)) in reference.losses.iter().zip(&unpacked.losses).enumerate() {
+        if step > 0 {
+            assert!(
+                (a - b).abs() > 1e-4 * a.abs(),
+                "step {step}: packed loss {a} equals the unpacked {b}"
+            );
+        }
+    }
+    let selective = ParallelConfig {
+        selective_recompute: true,
+        ..parallel(2, 0, true)
+    };
+    check(
+        &reference,
+        &packed(4, &selective),
+        "packed documents, tp 2 x shard 2, selective recomputation",
     );
 }
 

@@ -17,7 +17,7 @@ use smp_burn::tp::{
     ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 };
-use smp_burn::{Loss, SmpError};
+use smp_burn::{Documents, Loss, SmpError};
 
 use crate::config::LlamaConfig;
 
@@ -119,13 +119,15 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    /// `x`: the gathered `[batch, seq, hidden]`; `cos`/`sin`: rotary tables `[seq, head_dim]`.
-    /// Returns this rank's reduced output (see [`RowParallelLinear::forward`]).
+    /// `x`: the gathered `[batch, seq, hidden]`; `cos`/`sin`: rotary tables `[seq, head_dim]`;
+    /// `documents`: the packing of the rows, if any (attention and positions then stay inside
+    /// each document). Returns this rank's reduced output (see [`RowParallelLinear::forward`]).
     pub fn forward(
         &self,
         x: &smp_burn::tp::Gathered<B>,
         cos: Tensor<B, 2>,
         sin: Tensor<B, 2>,
+        documents: Option<&Documents>,
     ) -> Tensor<B, 3> {
         let [batch, seq, _] = x.dims();
         let q = self.q_proj.forward(x);
@@ -136,11 +138,19 @@ impl<B: Backend> Attention<B> {
         let q = heads(q, self.num_heads);
         let k = heads(self.k_proj.forward(x), self.num_kv_heads);
         let v = heads(self.v_proj.forward(x), self.num_kv_heads);
-        let q = ops::rope(q, cos.clone(), sin.clone());
-        let k = ops::rope(k, cos, sin);
-        let out = ops::causal_attention(q, k, v)
-            .swap_dims(1, 2)
-            .reshape([batch, seq, width]);
+        let out = match documents {
+            Some(documents) => {
+                let q = ops::rope_in_documents(q, cos.clone(), sin.clone(), documents);
+                let k = ops::rope_in_documents(k, cos, sin, documents);
+                ops::causal_attention_in_documents(q, k, v, documents)
+            }
+            None => {
+                let q = ops::rope(q, cos.clone(), sin.clone());
+                let k = ops::rope(k, cos, sin);
+                ops::causal_attention(q, k, v)
+            }
+        };
+        let out = out.swap_dims(1, 2).reshape([batch, seq, width]);
         self.o_proj.forward(out)
     }
 }
@@ -183,9 +193,11 @@ impl<B: Backend> BlockUnit<B> for DecoderLayer<B> {
 
     /// `x`: this rank's residual stream (its chunk of the sequence with sequence
     /// parallelism); each norm runs on it, then the split region's input is gathered.
-    fn forward(&self, x: Tensor<B, 3>, (cos, sin): &RopeTables<B>, _: &Cx) -> Tensor<B, 3> {
+    fn forward(&self, x: Tensor<B, 3>, (cos, sin): &RopeTables<B>, cx: &Cx) -> Tensor<B, 3> {
         let attn_in = self.tp.enter(self.input_layernorm.forward(x.clone()));
-        let h = x + self.self_attn.forward(&attn_in, cos.clone(), sin.clone());
+        let h = x + self
+            .self_attn
+            .forward(&attn_in, cos.clone(), sin.clone(), cx.documents());
         let mlp_in = self
             .tp
             .enter(self.post_attention_layernorm.forward(h.clone()));

@@ -14,10 +14,10 @@ use collectives::{CommunicatorExt, ReduceOp};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use smp_burn::checkpoint::{Checkpointer, Committed, ShardedCheckpoint, committed_checkpoints};
-use smp_burn::engine::{Init, StateKind};
+use smp_burn::engine::{Init, MicroBatch, StateKind};
 use smp_burn::fsdp::AdamW;
 use smp_burn::mesh::Mesh;
-use smp_burn::{KernelConfig, ParallelConfig, ParallelDims, Precision};
+use smp_burn::{Documents, KernelConfig, ParallelConfig, ParallelDims, Precision};
 
 use crate::config::LlamaConfig;
 use crate::data::{Batch, DataPosition, TokenDataset};
@@ -102,6 +102,12 @@ pub struct TrainConfig {
     /// Fraction of the corpus held out for validation.
     #[arg(long, default_value_t = 0.02)]
     pub val_fraction: f64,
+    /// Keep attention and rotary positions inside each document of a packed row (a document
+    /// ends at `</s>`): FlashAttention's varlen, Megatron's `reset_attention_mask` with
+    /// `reset_position_ids`. No token attends to the previous document, and attention's work
+    /// shrinks to the documents' own. Off, a row is one causal sequence across documents.
+    #[arg(long)]
+    pub document_masking: bool,
     /// Evaluate every this many steps (and at the end); 0 = only at the end.
     #[arg(long, default_value_t = 100)]
     pub eval_interval: u64,
@@ -1219,15 +1225,51 @@ pub struct Summary {
     pub losses: Vec<f64>,
 }
 
-fn tensors<B: AutodiffBackend>(
+/// The micro-batch of `batch` on `device`; with `document_separator`, its rows cut into
+/// documents after each such token.
+fn micro_batch<B: AutodiffBackend>(
     batch: &Batch,
+    document_separator: Option<u32>,
     device: &B::Device,
-) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+) -> Result<MicroBatch<B>> {
     let shape = [batch.batch, batch.seq_len];
-    (
-        Tensor::from_data(TensorData::new(batch.inputs.clone(), shape), device),
-        Tensor::from_data(TensorData::new(batch.targets.clone(), shape), device),
-    )
+    let tokens = Tensor::from_data(TensorData::new(batch.inputs.clone(), shape), device);
+    let targets = Tensor::from_data(TensorData::new(batch.targets.clone(), shape), device);
+    Ok(match document_separator {
+        Some(separator) => MicroBatch::packed(
+            tokens,
+            targets,
+            Documents::after_separator(
+                &batch.inputs,
+                batch.batch,
+                batch.seq_len,
+                separator as i64,
+            )?,
+        ),
+        None => (tokens, targets).into(),
+    })
+}
+
+/// What document masking does to the first micro-batch: documents per row and the share of
+/// attention's work left. A corpus of one document (the embedded one) gets a warning: then the
+/// masking changes nothing.
+fn log_packing(documents: &Documents) {
+    let rows = documents.batch();
+    let count = documents.cu_seqlens().len() - 1;
+    if documents.is_packed() {
+        tracing::info!(
+            "document masking: {:.1} documents per row in the first micro-batch; attention \
+             does {:.0} % of the unmasked rows' work",
+            count as f64 / rows as f64,
+            documents.attention_share() * 100.0
+        );
+    } else {
+        tracing::warn!(
+            "document masking: no row of the first micro-batch holds more than one document \
+             (documents end at </s>; the embedded corpus is one document), so the masking \
+             changes nothing there"
+        );
+    }
 }
 
 /// Micro-batches per optimizer step for the requested global batch.
@@ -1454,6 +1496,7 @@ pub fn train_rank<B: AutodiffBackend>(
     }
 
     let mut offload_reported = false;
+    let separator = cfg.document_masking.then(|| prepared.tokenizer.eos_id());
     while start_step < cfg.steps {
         let step = start_step;
         let t0 = Instant::now();
@@ -1465,9 +1508,16 @@ pub fn train_rank<B: AutodiffBackend>(
                 mesh.dp_rank(),
                 mesh.dp_size(),
             )?;
-            let (inputs, targets) = tensors::<B>(&batch, device);
+            let micro_batch = micro_batch::<B>(&batch, separator, device)?;
+            if lead
+                && step == start_step
+                && micro == 0
+                && let Some(documents) = &micro_batch.documents
+            {
+                log_packing(documents);
+            }
             let sync = micro + 1 == accum || cfg.parallel.reduce_every_micro_batch;
-            model.forward_backward(inputs, targets, 1.0 / accum as f32, sync)?;
+            model.forward_backward(micro_batch, 1.0 / accum as f32, sync)?;
             if lead && !offload_reported && model.offloaded_bytes() > 0 {
                 offload_reported = true;
                 tracing::info!(
@@ -1722,8 +1772,8 @@ fn evaluate_loss<B: AutodiffBackend>(
         .val_batches_for_rank(global, mesh.dp_rank(), mesh.dp_size())?
         .take(cfg.eval_batches.max(1))
     {
-        let (inputs, targets) = tensors::<B>(&batch, device);
-        total += model.eval_loss(inputs, targets)?;
+        let separator = cfg.document_masking.then(|| prepared.tokenizer.eos_id());
+        total += model.eval_loss(micro_batch::<B>(&batch, separator, device)?)?;
         n += 1;
     }
     if n == 0 {

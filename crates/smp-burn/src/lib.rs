@@ -6,7 +6,8 @@
 //! AdamW on shards), [`tp`] (tensor and sequence parallelism: autodiff-aware collectives over
 //! the tensor-parallel group), [`init`] (counter-based initialization so each rank builds only
 //! its shard),
-//! [`ops`] (reference transformer ops every fused kernel must match), [`readback`] (device values
+//! [`ops`] (reference transformer ops every fused kernel must match), [`documents`] (packed
+//! documents: attention and rotary positions per document), [`readback`] (device values
 //! read later without draining the GPU's queue), [`offload`] (activations kept in host memory
 //! between forward and backward), [`fast`] (the switchable
 //! dispatch from those ops to cuBLAS and our kernels on CUDA) and [`cuda`] (the bridge to
@@ -18,6 +19,7 @@ pub mod comm;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod documents;
 mod downcast;
 pub mod engine;
 pub mod error;
@@ -43,6 +45,7 @@ pub struct GuideProgram;
 
 pub use comm::{HostTensorComm, PendingCollective, PendingGather, TensorComm};
 pub use config::{ActivationCheckpointing, ParallelConfig, ParallelDims, Precision};
+pub use documents::Documents;
 pub use error::SmpError;
 pub use fp8::Fp8Recipe;
 pub use kernel_config::{FlashBackward, FlashForward, KernelConfig};

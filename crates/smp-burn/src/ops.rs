@@ -169,6 +169,70 @@ pub fn causal_attention<B: Backend>(
     o
 }
 
+/// [`causal_attention`] inside each document of `documents` (FlashAttention's varlen, a
+/// "block-causal" mask): query `i` sees key `j` when `j <= i` and both lie in the same document.
+///
+/// Each document runs on its own slice of the row through [`causal_attention`] (the flash
+/// kernels on CUDA), so the work is the documents' causal triangles, not the row's; without
+/// packing this is [`causal_attention`]. Shapes as there; `documents` must describe
+/// `[batch, seq]` (checked by the engine before any unit runs).
+pub fn causal_attention_in_documents<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    documents: &crate::documents::Documents,
+) -> Tensor<B, 4> {
+    if !documents.is_packed() {
+        return causal_attention(q, k, v);
+    }
+    let rows = (0..documents.batch())
+        .map(|r| {
+            let row = |t: &Tensor<B, 4>| t.clone().narrow(0, r, 1);
+            let (q, k, v) = (row(&q), row(&k), row(&v));
+            let spans: Vec<_> = documents
+                .spans(r)
+                .map(|s| {
+                    let span = |t: &Tensor<B, 4>| t.clone().narrow(2, s.start, s.len());
+                    causal_attention(span(&q), span(&k), span(&v))
+                })
+                .collect();
+            Tensor::cat(spans, 2)
+        })
+        .collect();
+    Tensor::cat(rows, 0)
+}
+
+/// [`rope`] with each document's positions counted from its start (Hugging Face's packed
+/// `position_ids`, Megatron's `reset_position_ids`), so a packed document is encoded as it would
+/// be alone. `x: [batch, heads, seq, head_dim]`; `cos`/`sin` from [`rope_tables`], at least as
+/// long as the longest document.
+pub fn rope_in_documents<B: Backend>(
+    x: Tensor<B, 4>,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    documents: &crate::documents::Documents,
+) -> Tensor<B, 4> {
+    if !documents.is_packed() {
+        let seq = x.dims()[2];
+        return rope(x, cos.narrow(0, 0, seq), sin.narrow(0, 0, seq));
+    }
+    // One table per row, cut from the shared one: a rope launch per row, whatever the
+    // number of documents.
+    let tables = |t: &Tensor<B, 2>, r: usize| {
+        Tensor::cat(
+            documents
+                .spans(r)
+                .map(|s| t.clone().narrow(0, 0, s.len()))
+                .collect(),
+            0,
+        )
+    };
+    let rows = (0..documents.batch())
+        .map(|r| rope(x.clone().narrow(0, r, 1), tables(&cos, r), tables(&sin, r)))
+        .collect();
+    Tensor::cat(rows, 0)
+}
+
 /// The SwiGLU gate: `silu(gate) * up`.
 pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
     if let Some(y) = crate::fast::swiglu(&gate, &up) {
@@ -671,6 +735,116 @@ mod tests {
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() < 1e-5);
         }
+    }
+
+    /// Attention with grouped-query heads under an explicit additive mask: key `j` is visible to
+    /// query `i` of row `r` when `visible(r, i, j)`.
+    fn masked_attention<Bk: Backend>(
+        q: Tensor<Bk, 4>,
+        k: Tensor<Bk, 4>,
+        v: Tensor<Bk, 4>,
+        visible: impl Fn(usize, usize, usize) -> bool,
+    ) -> Tensor<Bk, 4> {
+        let [batch, heads, seq, dim] = q.dims();
+        let group = heads / k.dims()[1];
+        let expand = |t: Tensor<Bk, 4>| {
+            let kv = t.dims()[1];
+            t.unsqueeze_dim::<5>(2)
+                .expand([batch, kv, group, seq, dim])
+                .reshape([batch, heads, seq, dim])
+        };
+        let mut bias = Vec::with_capacity(batch * seq * seq);
+        for r in 0..batch {
+            for i in 0..seq {
+                bias.extend((0..seq).map(|j| if visible(r, i, j) { 0.0f32 } else { -1e30 }));
+            }
+        }
+        let bias = Tensor::<Bk, 1>::from_floats(bias.as_slice(), &q.device())
+            .reshape([batch, 1, seq, seq]);
+        let scores = q.matmul(expand(k).swap_dims(2, 3)) / (dim as f64).sqrt() + bias;
+        softmax(scores, 3).matmul(expand(v))
+    }
+
+    /// Packed attention against an explicit block-causal mask (output and the gradients of q,
+    /// k and v) and against each document padded into a row of its own.
+    #[test]
+    fn attention_stays_inside_documents() {
+        let dev = Default::default();
+        let rand =
+            |h| Tensor::<B, 4>::random([2, h, 9, 8], burn::tensor::Distribution::Default, &dev);
+        let (q, k, v) = (rand(4), rand(2), rand(2));
+        let documents = crate::Documents::from_lengths(9, vec![vec![4, 2, 3], vec![1, 8]]).unwrap();
+        let doc_of = |r: usize, i: usize| documents.spans(r).position(|s| s.contains(&i));
+        let visible = |r, i, j| j <= i && doc_of(r, i) == doc_of(r, j);
+        let track = |t: &Tensor<B, 4>| Tensor::<Ad, 4>::from_inner(t.clone()).require_grad();
+        let (qa, ka, va) = (track(&q), track(&k), track(&v));
+        let got = causal_attention_in_documents(qa.clone(), ka.clone(), va.clone(), &documents);
+        let (qb, kb, vb) = (track(&q), track(&k), track(&v));
+        let want = masked_attention(qb.clone(), kb.clone(), vb.clone(), visible);
+        assert!(rel_err(&host(got.clone()), &host(want.clone())) < 1e-5);
+        // A weighted sum, so every output position's gradient differs.
+        let weights =
+            Tensor::<Ad, 4>::random([2, 4, 9, 8], burn::tensor::Distribution::Default, &dev);
+        let (g1, g2) = (
+            (got * weights.clone()).sum().backward(),
+            (want * weights).sum().backward(),
+        );
+        // f32 in both, summed in other orders (a document's matmuls against the whole row's);
+        // the softmax backward's cancellation leaves a few 1e-5. A key of another document
+        // seen, or one missed, moves them by 1e-1.
+        for (a, b, name) in [(&qa, &qb, "q"), (&ka, &kb, "k"), (&va, &vb, "v")] {
+            let err = rel_err(&host(a.grad(&g1).unwrap()), &host(b.grad(&g2).unwrap()));
+            assert!(err < 1e-4, "d{name}: {err}");
+        }
+        // Each document alone, at the start of a zero-padded row: causality keeps the padding
+        // out of its outputs.
+        let packed = causal_attention_in_documents(q.clone(), k.clone(), v.clone(), &documents);
+        for r in 0..2 {
+            for span in documents.spans(r) {
+                let pad = |t: &Tensor<B, 4>| {
+                    let doc = t.clone().narrow(0, r, 1).narrow(2, span.start, span.len());
+                    let [_, h, _, d] = doc.dims();
+                    let zeros = Tensor::<B, 4>::zeros([1, h, 9 - span.len(), d], &dev);
+                    Tensor::cat(vec![doc, zeros], 2)
+                };
+                let alone = causal_attention(pad(&q), pad(&k), pad(&v)).narrow(2, 0, span.len());
+                let inside = packed
+                    .clone()
+                    .narrow(0, r, 1)
+                    .narrow(2, span.start, span.len());
+                assert!(
+                    rel_err(&host(inside), &host(alone)) < 1e-6,
+                    "row {r}, {span:?}"
+                );
+            }
+        }
+    }
+
+    /// Positions restart at each document: a document's rotation equals its rotation alone.
+    #[test]
+    fn rope_restarts_in_each_document() {
+        let dev = Default::default();
+        let x = Tensor::<B, 4>::random([2, 3, 7, 8], burn::tensor::Distribution::Default, &dev);
+        let (cos, sin) = rope_tables::<B>(7, 8, 10000.0, &dev);
+        let documents = crate::Documents::from_lengths(7, vec![vec![3, 4], vec![7]]).unwrap();
+        let y = rope_in_documents(x.clone(), cos.clone(), sin.clone(), &documents);
+        for r in 0..2 {
+            for span in documents.spans(r) {
+                let n = span.len();
+                let doc = x.clone().narrow(0, r, 1).narrow(2, span.start, n);
+                let alone = rope(
+                    doc,
+                    cos.clone().narrow(0, 0, n),
+                    sin.clone().narrow(0, 0, n),
+                );
+                let inside = y.clone().narrow(0, r, 1).narrow(2, span.start, n);
+                assert_eq!(host(inside), host(alone), "row {r}, {span:?}");
+            }
+        }
+        // Not packed: the plain rotation.
+        let one = crate::Documents::from_lengths(7, vec![vec![7], vec![7]]).unwrap();
+        let plain = rope(x.clone(), cos.clone(), sin.clone());
+        assert_eq!(host(rope_in_documents(x, cos, sin, &one)), host(plain));
     }
 
     /// (max |a - b|) / max |b|, with the scale floored at 1 so near-zero references compare

@@ -75,6 +75,7 @@ mod sharded;
 mod state;
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{Int, Tensor, backend::Backend};
@@ -89,6 +90,7 @@ pub use build::{EngineBuilder, Init, ParamSource, Tied};
 pub use state::{NamedTensors, PlanEntry};
 
 use crate::ActivationCheckpointing;
+use crate::documents::Documents;
 use crate::error::SmpError;
 use crate::mesh::Mesh;
 
@@ -172,6 +174,7 @@ pub struct Cx {
     seq_len: usize,
     chunk: Range<usize>,
     tp: TpGroup,
+    documents: Option<Arc<Documents>>,
 }
 
 impl Cx {
@@ -185,7 +188,33 @@ impl Cx {
             seq_len,
             chunk: tp.sequence_chunk(seq_len)?,
             tp: tp.clone(),
+            documents: None,
         })
+    }
+
+    /// This context for rows packed with `documents`.
+    ///
+    /// # Errors
+    /// `documents` describes another `[batch, seq]` than the context's (both named).
+    pub fn with_documents(mut self, documents: Arc<Documents>) -> Result<Self, SmpError> {
+        if documents.batch() != self.batch || documents.seq_len() != self.seq_len {
+            return Err(SmpError::Usage(format!(
+                "documents for [batch, seq] = [{}, {}] given with a micro-batch of [{}, {}] tokens",
+                documents.batch(),
+                documents.seq_len(),
+                self.batch,
+                self.seq_len
+            )));
+        }
+        self.documents = Some(documents);
+        Ok(self)
+    }
+
+    /// The documents packed into the rows, if the micro-batch says (see [`MicroBatch`]):
+    /// attention and positions then stay inside each one
+    /// ([`crate::ops::causal_attention_in_documents`], [`crate::ops::rope_in_documents`]).
+    pub fn documents(&self) -> Option<&Documents> {
+        self.documents.as_deref()
     }
 
     /// Sequences in the micro-batch.
@@ -237,6 +266,44 @@ impl Cx {
             return x;
         }
         crate::tp::mappings::gather_sequence(x, &self.tp)
+    }
+}
+
+/// One micro-batch of a data-parallel rank: `tokens` and `targets` `[batch, seq]` (the same on
+/// every tensor-parallel rank) and, for rows packed with several documents, where each one
+/// starts. A `(tokens, targets)` pair converts into one without documents.
+#[derive(Debug, Clone)]
+pub struct MicroBatch<B: Backend> {
+    /// Input token ids.
+    pub tokens: Tensor<B, 2, Int>,
+    /// The token each input position predicts.
+    pub targets: Tensor<B, 2, Int>,
+    /// The packing of the rows; `None` is one sequence per row.
+    pub documents: Option<Arc<Documents>>,
+}
+
+impl<B: Backend> MicroBatch<B> {
+    /// Rows packed with `documents`.
+    pub fn packed(
+        tokens: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        documents: Documents,
+    ) -> Self {
+        Self {
+            tokens,
+            targets,
+            documents: Some(Arc::new(documents)),
+        }
+    }
+}
+
+impl<B: Backend> From<(Tensor<B, 2, Int>, Tensor<B, 2, Int>)> for MicroBatch<B> {
+    fn from((tokens, targets): (Tensor<B, 2, Int>, Tensor<B, 2, Int>)) -> Self {
+        Self {
+            tokens,
+            targets,
+            documents: None,
+        }
     }
 }
 

@@ -15,7 +15,7 @@
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, backend::AutodiffBackend};
 
-use super::{BlockUnit, Cx, Engine, HeadUnit, StemUnit, StepStats, Tied};
+use super::{BlockUnit, Cx, Engine, HeadUnit, MicroBatch, StemUnit, StepStats, Tied};
 use crate::PendingGather;
 use crate::error::SmpError;
 use crate::fsdp::{ExternalParams, FsdpContext, ShardedUnit, clip_factor};
@@ -141,6 +141,22 @@ where
         Cx::new(batch, seq, self.mesh.tp())
     }
 
+    /// The context of `micro` after checking that its targets (and documents) fit its tokens.
+    fn context_of_micro(&self, micro: &MicroBatch<B>) -> Result<Cx, SmpError> {
+        if micro.targets.dims() != micro.tokens.dims() {
+            return Err(SmpError::Usage(format!(
+                "targets {:?} and tokens {:?} must have the same [batch, seq]",
+                micro.targets.dims(),
+                micro.tokens.dims()
+            )));
+        }
+        let cx = self.context_of(&micro.tokens)?;
+        match &micro.documents {
+            Some(documents) => cx.with_documents(documents.clone()),
+            None => Ok(cx),
+        }
+    }
+
     /// The last block before `block` that recomputes its forward (the next one the backward
     /// gathers), if any.
     fn recomputed_below(&self, block: usize) -> Option<usize> {
@@ -189,8 +205,8 @@ where
         Ok(())
     }
 
-    /// Forward and backward of one micro-batch: `tokens` and `targets` are this data-parallel
-    /// rank's `[batch, seq]` (the same on every tensor-parallel rank). The loss is multiplied
+    /// Forward and backward of one micro-batch of this data-parallel rank (a [`MicroBatch`], or
+    /// a `(tokens, targets)` pair of `[batch, seq]`, the same on every tensor-parallel rank). The loss is multiplied
     /// by `loss_scale` before differentiation (`1 / micro-batches` for accumulation). With
     /// `sync` the gradients are reduced and added to the shards; without it they are only
     /// accumulated locally (FSDP's `no_sync`) until a later call with `sync`, which
@@ -202,19 +218,15 @@ where
     /// unit whose output has the wrong shape, a failed collective.
     pub fn forward_backward(
         &mut self,
-        tokens: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
+        micro: impl Into<MicroBatch<B>>,
         loss_scale: f32,
         sync: bool,
     ) -> Result<Tensor<B::InnerBackend, 1>, SmpError> {
-        if targets.dims() != tokens.dims() {
-            return Err(SmpError::Usage(format!(
-                "targets {:?} and tokens {:?} must have the same [batch, seq]",
-                targets.dims(),
-                tokens.dims()
-            )));
-        }
-        let cx = self.context_of(&tokens)?;
+        let micro = micro.into();
+        let cx = self.context_of_micro(&micro)?;
+        let MicroBatch {
+            tokens, targets, ..
+        } = micro;
         let aux = self.aux(&cx);
         let tp = self.mesh.tp().clone();
         let _active = tp.activate();
@@ -493,14 +505,15 @@ where
         })
     }
 
-    /// One optimizer step over the micro-batches `micro` (`(tokens, targets)` of this
-    /// data-parallel rank): gradients accumulate over them and are reduced once, with the last.
+    /// One optimizer step over the micro-batches `micro` of this data-parallel rank
+    /// ([`MicroBatch`]es or `(tokens, targets)` pairs): gradients accumulate over them and are
+    /// reduced once, with the last (after each with `reduce_every_micro_batch`).
     ///
     /// # Errors
     /// No micro-batch, or as [`Self::forward_backward`] and [`Self::step`].
     pub fn train_step(
         &mut self,
-        micro: impl IntoIterator<Item = (Tensor<B, 2, Int>, Tensor<B, 2, Int>)>,
+        micro: impl IntoIterator<Item = impl Into<MicroBatch<B>>>,
         lr: f64,
     ) -> Result<StepStats<B::InnerBackend>, SmpError> {
         let micro: Vec<_> = micro.into_iter().collect();
@@ -508,9 +521,9 @@ where
             return Err(SmpError::Usage("train_step with no micro-batch".into()));
         }
         let n = micro.len();
-        for (i, (tokens, targets)) in micro.into_iter().enumerate() {
+        for (i, micro) in micro.into_iter().enumerate() {
             let sync = i + 1 == n || self.reduce_every_micro_batch;
-            self.forward_backward(tokens, targets, 1.0 / n as f32, sync)?;
+            self.forward_backward(micro, 1.0 / n as f32, sync)?;
         }
         self.step(lr)
     }
@@ -547,17 +560,17 @@ where
         out
     }
 
-    /// Mean loss of `tokens` against `targets` (this data-parallel rank's `[batch, seq]`)
+    /// Mean loss of a micro-batch (this data-parallel rank's, as in [`Self::forward_backward`])
     /// without any autodiff graph, averaged over the data-parallel ranks.
     ///
     /// # Errors
     /// As [`Self::forward_backward`].
-    pub fn eval_loss(
-        &mut self,
-        tokens: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-    ) -> Result<f64, SmpError> {
-        let cx = self.context_of(&tokens)?;
+    pub fn eval_loss(&mut self, micro: impl Into<MicroBatch<B>>) -> Result<f64, SmpError> {
+        let micro = micro.into();
+        let cx = self.context_of_micro(&micro)?;
+        let MicroBatch {
+            tokens, targets, ..
+        } = micro;
         let tp = self.mesh.tp().clone();
         let _active = tp.activate();
         let x = self.hidden_states(tokens, &cx)?;
