@@ -14,7 +14,7 @@
 use collectives::{CommOptions, run_on_threads};
 use llama::LlamaConfig;
 use smp_burn::{ParallelConfig, ParallelDims};
-use smp_burn_tests::{RunResult, assert_matches, train_rank, train_rank_packed};
+use smp_burn_tests::{RunResult, assert_matches, train_rank_packed};
 
 const STEPS: usize = 3;
 /// Divisible by every data-parallel size used here (1, 2, 4).
@@ -29,18 +29,27 @@ fn run(
     steps: usize,
     micro_batches: usize,
 ) -> Vec<RunResult> {
+    run_packed(config, world, parallel, (steps, micro_batches), None)
+}
+
+/// [`run`] with every row packed with documents of `document_lengths`, when given.
+fn run_packed(
+    config: &LlamaConfig,
+    world: usize,
+    parallel: &ParallelConfig,
+    (steps, micro_batches): (usize, usize),
+    document_lengths: Option<&[usize]>,
+) -> Vec<RunResult> {
     let opts = CommOptions {
         timeout: std::time::Duration::from_secs(60),
     };
     run_on_threads(world, opts, |comm| {
-        train_rank(
+        train_rank_packed(
             comm,
             parallel,
             config,
-            steps,
-            GLOBAL_BATCH,
-            SEQ,
-            micro_batches,
+            (steps, GLOBAL_BATCH, SEQ, micro_batches),
+            document_lengths,
         )
     })
 }
@@ -138,19 +147,8 @@ fn tp2_with_fsdp2_matches_one_rank() {
 fn packed_documents_match_one_rank() {
     let config = tiny();
     let lengths = [5, 7, 4];
-    let packed = |world: usize, parallel: &ParallelConfig| {
-        let opts = CommOptions {
-            timeout: std::time::Duration::from_secs(60),
-        };
-        run_on_threads(world, opts, |comm| {
-            train_rank_packed(
-                comm,
-                parallel,
-                &config,
-                (STEPS, GLOBAL_BATCH, SEQ, 1),
-                Some(&lengths),
-            )
-        })
+    let packed = |world, parallel: &ParallelConfig| {
+        run_packed(&config, world, parallel, (STEPS, 1), Some(&lengths))
     };
     let reference = packed(1, &parallel(1, 0, true)).remove(0);
     let unpacked = run(&config, 1, &parallel(1, 0, true), STEPS, 1).remove(0);

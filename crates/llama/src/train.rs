@@ -1496,6 +1496,7 @@ pub fn train_rank<B: AutodiffBackend>(
     }
 
     let mut offload_reported = false;
+    let mut packing_reported = false;
     let separator = cfg.document_masking.then(|| prepared.tokenizer.eos_id());
     while start_step < cfg.steps {
         let step = start_step;
@@ -1510,10 +1511,10 @@ pub fn train_rank<B: AutodiffBackend>(
             )?;
             let micro_batch = micro_batch::<B>(&batch, separator, device)?;
             if lead
-                && step == start_step
-                && micro == 0
+                && !packing_reported
                 && let Some(documents) = &micro_batch.documents
             {
+                packing_reported = true;
                 log_packing(documents);
             }
             let sync = micro + 1 == accum || cfg.parallel.reduce_every_micro_batch;
