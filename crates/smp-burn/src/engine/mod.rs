@@ -249,10 +249,20 @@ impl Cx {
         t.narrow(1, self.chunk.start, self.chunk.len())
     }
 
-    /// The absolute positions of this rank's chunk, `[batch, chunk]` (learned position
-    /// embeddings).
+    /// The positions of this rank's chunk, `[batch, chunk]` (learned position embeddings):
+    /// within the row, or within each document when the rows are packed
+    /// ([`Self::documents`]), so that a packed document is encoded as it would be alone.
     pub fn positions<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2, Int> {
         let chunk = self.chunk.clone();
+        if let Some(documents) = self.documents.as_deref().filter(|d| d.is_packed()) {
+            let all = documents.positions();
+            let mine: Vec<i64> = all
+                .chunks(self.seq_len)
+                .flat_map(|row| row[chunk.clone()].iter().copied())
+                .collect();
+            let data = burn::tensor::TensorData::new(mine, [self.batch, chunk.len()]);
+            return Tensor::from_data(data, device);
+        }
         Tensor::<B, 1, Int>::arange(chunk.start as i64..chunk.end as i64, device)
             .unsqueeze::<2>()
             .repeat_dim(0, self.batch)
@@ -473,5 +483,36 @@ where
     /// (0 without activation offloading): one input per recomputed block.
     pub fn offloaded_bytes(&self) -> usize {
         self.offloaded_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type B = burn_ndarray::NdArray<f32>;
+
+    fn ints(t: Tensor<B, 2, Int>) -> Vec<i64> {
+        t.into_data().convert::<i64>().to_vec().unwrap()
+    }
+
+    /// Positions restart at each document, and a mismatched packing is refused.
+    #[test]
+    fn positions_follow_the_documents() {
+        let dev = Default::default();
+        let cx = Cx::new(2, 5, &TpGroup::single()).unwrap();
+        assert_eq!(
+            ints(cx.positions::<B>(&dev)),
+            [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
+        );
+        let documents = Documents::from_lengths(5, vec![vec![2, 3], vec![5]]).unwrap();
+        let packed = cx.clone().with_documents(Arc::new(documents)).unwrap();
+        assert_eq!(
+            ints(packed.positions::<B>(&dev)),
+            [0, 1, 0, 1, 2, 0, 1, 2, 3, 4]
+        );
+        let other = Documents::from_lengths(4, vec![vec![4], vec![4]]).unwrap();
+        let e = cx.with_documents(Arc::new(other)).unwrap_err().to_string();
+        assert!(e.contains("[2, 4]") && e.contains("[2, 5]"), "{e}");
     }
 }
