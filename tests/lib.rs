@@ -186,9 +186,8 @@ pub fn train_rank_packed(
                 Some(documents) => MicroBatch::packed(tokens, targets, documents),
                 None => (tokens, targets).into(),
             };
-            let sync = mb + 1 == micro_batches || parallel.reduce_every_micro_batch;
             model
-                .forward_backward(micro, 1.0 / micro_batches as f32, sync)
+                .forward_backward(micro, 1.0 / micro_batches as f32, mb + 1 == micro_batches)
                 .expect("step");
         }
         let stats = model.step(1e-2).expect("optimizer");

@@ -140,8 +140,7 @@ impl<B: Backend> Attention<B> {
         let v = heads(self.v_proj.forward(x), self.num_kv_heads);
         let out = match documents {
             Some(documents) => {
-                let q = ops::rope_in_documents(q, cos.clone(), sin.clone(), documents);
-                let k = ops::rope_in_documents(k, cos, sin, documents);
+                let [q, k] = ops::rope_in_documents([q, k], cos, sin, documents);
                 ops::causal_attention_in_documents(q, k, v, documents)
             }
             None => {

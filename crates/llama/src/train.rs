@@ -1132,6 +1132,15 @@ pub struct Prepared {
     pub dataset: TokenDataset,
 }
 
+impl Prepared {
+    /// The token after which rows are cut into documents, with `document_masking`.
+    fn document_separator(&self) -> Option<u32> {
+        self.config
+            .document_masking
+            .then(|| self.tokenizer.eos_id())
+    }
+}
+
 /// Loads the corpus and the tokenizer (training a byte-level BPE when none is given) and packs
 /// the data. On resume the checkpoint's own tokenizer is used, so token ids stay the same.
 pub fn prepare(config: TrainConfig) -> Result<Prepared> {
@@ -1497,7 +1506,7 @@ pub fn train_rank<B: AutodiffBackend>(
 
     let mut offload_reported = false;
     let mut packing_reported = false;
-    let separator = cfg.document_masking.then(|| prepared.tokenizer.eos_id());
+    let separator = prepared.document_separator();
     while start_step < cfg.steps {
         let step = start_step;
         let t0 = Instant::now();
@@ -1517,8 +1526,7 @@ pub fn train_rank<B: AutodiffBackend>(
                 packing_reported = true;
                 log_packing(documents);
             }
-            let sync = micro + 1 == accum || cfg.parallel.reduce_every_micro_batch;
-            model.forward_backward(micro_batch, 1.0 / accum as f32, sync)?;
+            model.forward_backward(micro_batch, 1.0 / accum as f32, micro + 1 == accum)?;
             if lead && !offload_reported && model.offloaded_bytes() > 0 {
                 offload_reported = true;
                 tracing::info!(
@@ -1766,6 +1774,7 @@ fn evaluate_loss<B: AutodiffBackend>(
 ) -> Result<f64> {
     let cfg = &prepared.config;
     let global = cfg.micro_batch * mesh.dp_size();
+    let separator = prepared.document_separator();
     let mut total = 0.0;
     let mut n = 0;
     for batch in prepared
@@ -1773,7 +1782,6 @@ fn evaluate_loss<B: AutodiffBackend>(
         .val_batches_for_rank(global, mesh.dp_rank(), mesh.dp_size())?
         .take(cfg.eval_batches.max(1))
     {
-        let separator = cfg.document_masking.then(|| prepared.tokenizer.eos_id());
         total += model.eval_loss(micro_batch::<B>(&batch, separator, device)?)?;
         n += 1;
     }

@@ -82,8 +82,8 @@ pub struct ParallelConfig {
     /// and DeepSpeed's accumulation; FSDP2 with `set_requires_gradient_sync(True)` throughout).
     /// Each micro-batch then pays a gradient reduction, but no rank holds the full unsharded
     /// f32 gradient between micro-batches, which a large model sharded over many GPUs cannot
-    /// afford (Llama 2 70B: 280 GB). `Engine::train_step` follows it; a loop of its own passes
-    /// it as `forward_backward`'s `sync`.
+    /// afford (Llama 2 70B: 280 GB). `Engine::forward_backward` (and so `train_step`) reduces
+    /// every micro-batch then, whatever its `sync` says.
     pub reduce_every_micro_batch: bool,
 }
 

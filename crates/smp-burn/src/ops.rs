@@ -204,21 +204,23 @@ pub fn causal_attention_in_documents<B: Backend>(
 
 /// [`rope`] with each document's positions counted from its start (Hugging Face's packed
 /// `position_ids`, Megatron's `reset_position_ids`), so a packed document is encoded as it would
-/// be alone. `x: [batch, heads, seq, head_dim]`; `cos`/`sin` from [`rope_tables`], at least as
-/// long as the longest document.
-pub fn rope_in_documents<B: Backend>(
-    x: Tensor<B, 4>,
+/// be alone. Each of `xs: [batch, heads, seq, head_dim]` (queries and keys, whose head counts may
+/// differ) is rotated with the same per-row tables, cut once from `cos`/`sin` ([`rope_tables`],
+/// at least as long as the longest document).
+pub fn rope_in_documents<B: Backend, const N: usize>(
+    xs: [Tensor<B, 4>; N],
     cos: Tensor<B, 2>,
     sin: Tensor<B, 2>,
     documents: &crate::documents::Documents,
-) -> Tensor<B, 4> {
+) -> [Tensor<B, 4>; N] {
     if !documents.is_packed() {
-        let seq = x.dims()[2];
-        return rope(x, cos.narrow(0, 0, seq), sin.narrow(0, 0, seq));
+        let seq = documents.seq_len();
+        let (cos, sin) = (cos.narrow(0, 0, seq), sin.narrow(0, 0, seq));
+        return xs.map(|x| rope(x, cos.clone(), sin.clone()));
     }
-    // One table per row, cut from the shared one: a rope launch per row, whatever the
-    // number of documents.
-    let tables = |t: &Tensor<B, 2>, r: usize| {
+    // One table per row, cut from the shared one: a rope launch per row and tensor, whatever
+    // the number of documents.
+    let table = |t: &Tensor<B, 2>, r: usize| {
         Tensor::cat(
             documents
                 .spans(r)
@@ -227,10 +229,17 @@ pub fn rope_in_documents<B: Backend>(
             0,
         )
     };
-    let rows = (0..documents.batch())
-        .map(|r| rope(x.clone().narrow(0, r, 1), tables(&cos, r), tables(&sin, r)))
+    let tables: Vec<_> = (0..documents.batch())
+        .map(|r| (table(&cos, r), table(&sin, r)))
         .collect();
-    Tensor::cat(rows, 0)
+    xs.map(|x| {
+        let rows = tables
+            .iter()
+            .enumerate()
+            .map(|(r, (cos, sin))| rope(x.clone().narrow(0, r, 1), cos.clone(), sin.clone()))
+            .collect();
+        Tensor::cat(rows, 0)
+    })
 }
 
 /// The SwiGLU gate: `silu(gate) * up`.
@@ -827,7 +836,7 @@ mod tests {
         let x = Tensor::<B, 4>::random([2, 3, 7, 8], burn::tensor::Distribution::Default, &dev);
         let (cos, sin) = rope_tables::<B>(7, 8, 10000.0, &dev);
         let documents = crate::Documents::from_lengths(7, vec![vec![3, 4], vec![7]]).unwrap();
-        let y = rope_in_documents(x.clone(), cos.clone(), sin.clone(), &documents);
+        let [y] = rope_in_documents([x.clone()], cos.clone(), sin.clone(), &documents);
         for r in 0..2 {
             for span in documents.spans(r) {
                 let n = span.len();
@@ -844,7 +853,8 @@ mod tests {
         // Not packed: the plain rotation.
         let one = crate::Documents::from_lengths(7, vec![vec![7], vec![7]]).unwrap();
         let plain = rope(x.clone(), cos.clone(), sin.clone());
-        assert_eq!(host(rope_in_documents(x, cos, sin, &one)), host(plain));
+        let [y] = rope_in_documents([x], cos, sin, &one);
+        assert_eq!(host(y), host(plain));
     }
 
     /// (max |a - b|) / max |b|, with the scale floored at 1 so near-zero references compare

@@ -206,11 +206,12 @@ where
     }
 
     /// Forward and backward of one micro-batch of this data-parallel rank (a [`MicroBatch`], or
-    /// a `(tokens, targets)` pair of `[batch, seq]`, the same on every tensor-parallel rank). The loss is multiplied
-    /// by `loss_scale` before differentiation (`1 / micro-batches` for accumulation). With
-    /// `sync` the gradients are reduced and added to the shards; without it they are only
-    /// accumulated locally (FSDP's `no_sync`) until a later call with `sync`, which
-    /// [`Self::step`] requires of the last micro-batch. Returns this rank's loss (the mean over
+    /// a `(tokens, targets)` pair of `[batch, seq]`, the same on every tensor-parallel rank).
+    /// The loss is multiplied by `loss_scale` before differentiation (`1 / micro-batches` for
+    /// accumulation). With `sync` (the last micro-batch of a step) the gradients are reduced
+    /// and added to the shards; without it they are only accumulated locally (FSDP's
+    /// `no_sync`) until a later call with `sync`, which [`Self::step`] requires of the last
+    /// micro-batch. Under `reduce_every_micro_batch` every call reduces. Returns this rank's loss (the mean over
     /// the whole sequence under tensor parallelism).
     ///
     /// # Errors
@@ -230,7 +231,7 @@ where
         let aux = self.aux(&cx);
         let tp = self.mesh.tp().clone();
         let _active = tp.activate();
-        let defer = !sync;
+        let defer = !(sync || self.reduce_every_micro_batch);
         let ctx = self.mesh.fsdp().clone();
         let prefetch = ctx.prefetch;
         let n = self.blocks.len();
@@ -522,8 +523,7 @@ where
         }
         let n = micro.len();
         for (i, micro) in micro.into_iter().enumerate() {
-            let sync = i + 1 == n || self.reduce_every_micro_batch;
-            self.forward_backward(micro, 1.0 / n as f32, sync)?;
+            self.forward_backward(micro, 1.0 / n as f32, i + 1 == n)?;
         }
         self.step(lr)
     }
