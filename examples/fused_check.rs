@@ -375,8 +375,9 @@ fn check_rope(quick: bool) -> bool {
     ok
 }
 
-/// Targets in `[0, vocab)` from a fixed LCG, with the first and last ids present.
-fn targets(tokens: usize, vocab: usize) -> Tensor<G, 1, Int> {
+/// Targets in `[0, vocab)` from a fixed LCG, with the first and last ids present; with
+/// `ignored`, every seventh (from the second) is `IGNORE_INDEX`.
+fn targets(tokens: usize, vocab: usize, ignored: bool) -> Tensor<G, 1, Int> {
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let mut ids: Vec<i64> = (0..tokens)
         .map(|_| {
@@ -388,6 +389,11 @@ fn targets(tokens: usize, vocab: usize) -> Tensor<G, 1, Int> {
         .collect();
     ids[0] = 0;
     ids[tokens - 1] = vocab as i64 - 1;
+    if ignored {
+        for id in ids.iter_mut().skip(1).step_by(7) {
+            *id = ops::IGNORE_INDEX;
+        }
+    }
     Tensor::from_data(TensorData::new(ids, [tokens]), &device())
 }
 
@@ -405,11 +411,16 @@ fn check_loss(quick: bool) -> bool {
             (4095, 4096, 32003, None),
         ]
     };
-    for dtype in [DType::BF16, DType::F32] {
+    for (dtype, ignored) in [
+        (DType::BF16, false),
+        (DType::F32, false),
+        (DType::BF16, true),
+        (DType::F32, true),
+    ] {
         for &(tokens, hidden, vocab, chunk) in shapes {
             let x = randn([tokens, hidden], 0.0, 1.0);
             let w = randn([vocab, hidden], 0.0, 0.02);
-            let t = targets(tokens, vocab);
+            let t = targets(tokens, vocab, ignored);
             let case = |d: DType, fast: bool| -> Named {
                 let xa = Tensor::<Ad, 2>::from_inner(x.clone().cast(dtype).cast(d)).require_grad();
                 let wa = Tensor::<Ad, 2>::from_inner(w.clone().cast(dtype).cast(d)).require_grad();
@@ -444,6 +455,11 @@ fn check_loss(quick: bool) -> bool {
             let shape = match chunk {
                 Some(c) => format!("t{tokens}_h{hidden}_v{vocab}_chunk{c}"),
                 None => format!("t{tokens}_h{hidden}_v{vocab}"),
+            };
+            let shape = if ignored {
+                format!("{shape}_ignoring_1_in_7")
+            } else {
+                shape
             };
             ok &= compare(
                 "linear_cross_entropy",
@@ -800,7 +816,7 @@ fn mem(iters: usize) {
     let client = CudaRuntime::client(&device());
     let x = randn([tokens, hidden], 0.0, 1.0).cast(DType::BF16);
     let w = randn([vocab, hidden], 0.0, 0.02).cast(DType::BF16);
-    let t = targets(tokens, vocab);
+    let t = targets(tokens, vocab, false);
     println!(
         "mem: LM-head loss, {tokens} tokens, hidden {hidden}, vocab {vocab}, bf16, forward + backward"
     );

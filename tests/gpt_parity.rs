@@ -27,13 +27,13 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_ndarray::NdArray;
 use collectives::{CommOptions, Communicator, run_on_threads};
 use model::{Block, GptConfig, GptUnits, Head, Stem, gpt_units};
-use smp_burn::ParallelConfig;
 use smp_burn::engine::{
     BlockUnit, Cx, EngineBuilder, Group, HeadUnit, Init, StateKind, StemUnit, UnitId, Units,
 };
 use smp_burn::mesh::Mesh;
 use smp_burn::optim::{AdamW, BurnOptim};
 use smp_burn::tp::TpGroup;
+use smp_burn::{Loss, ParallelConfig};
 
 type Cpu = Autodiff<NdArray<f32>>;
 
@@ -65,7 +65,10 @@ fn adamw() -> AdamW {
 
 /// Step `step`'s global batch: `[GLOBAL_BATCH, SEQ]` inputs and next-token targets. Each row
 /// follows `t -> 5 t + 3 (mod vocab)` from a random start, with an occasional random token, so
-/// that there is something to learn in a few steps.
+/// that there is something to learn in a few steps. About one target in five is
+/// `IGNORE_INDEX`, a different number in each row, and at odd steps all of row 1's: the step's
+/// loss is the mean over the scored targets of the whole batch, so ranks and micro-batches
+/// holding fewer of them (or none) must count for less.
 fn global_batch(step: usize, vocab: usize) -> (Vec<i64>, Vec<i64>) {
     let mut x = (step as u64 + 7).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let mut random = || {
@@ -92,7 +95,25 @@ fn global_batch(step: usize, vocab: usize) -> (Vec<i64>, Vec<i64>) {
         })
         .collect();
     let inputs = rows.iter().flat_map(|r| r[..SEQ].to_vec()).collect();
-    let targets = rows.iter().flat_map(|r| r[1..].to_vec()).collect();
+    let targets = rows
+        .iter()
+        .enumerate()
+        .flat_map(|(row, r)| {
+            r[1..]
+                .iter()
+                .enumerate()
+                .map(|(pos, &t)| {
+                    // Not drawn from the data's generator, so the tokens stay as they were.
+                    let hash = (step * 131 + row * 17 + pos * 7) % 5;
+                    if (row == 1 && step % 2 == 1) || hash == 0 {
+                        smp_burn::ops::IGNORE_INDEX
+                    } else {
+                        t
+                    }
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
     (inputs, targets)
 }
 
@@ -406,6 +427,99 @@ fn tensor_parallel_matches_plain_burn() {
         ],
     );
     check(config(false), &[Layout::new(4, 2, 2)]);
+}
+
+/// A head that scores only its own chunk of the sequence ([`Loss::over_chunk`]) through a
+/// replicated LM head, as a model of one's own may: under sequence parallelism each
+/// tensor-parallel rank's chunk holds its own number of scored targets.
+#[derive(Module, Debug)]
+struct ChunkHead<B: burn::tensor::backend::Backend> {
+    ln_f: burn::nn::LayerNorm<B>,
+    out: burn::nn::Linear<B>,
+}
+
+impl<B: burn::tensor::backend::Backend> HeadUnit<B> for ChunkHead<B> {
+    fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>, cx: &Cx) -> Loss<B> {
+        let [batch, chunk, _] = x.dims();
+        let logits = self.out.forward(self.ln_f.forward(x));
+        let vocab = logits.dims()[2];
+        Loss::over_chunk(smp_burn::ops::cross_entropy(
+            logits.reshape([batch * chunk, vocab]),
+            cx.chunk_of(targets).reshape([batch * chunk]),
+        ))
+    }
+
+    fn logits(&self, x: Tensor<B, 3>, cx: &Cx) -> Tensor<B, 3> {
+        self.out.forward(self.ln_f.forward(cx.gather_sequence(x)))
+    }
+}
+
+/// With a head that scores its own chunk, the step's loss is still the mean over the global
+/// batch's scored targets: TP 2 with sequence parallelism (chunks with different numbers of
+/// ignored targets), with data parallelism and micro-batches beside it, matches one rank.
+#[test]
+fn chunk_scored_loss_matches_one_rank() {
+    let cfg = config(false);
+    let run = |layout: Layout| {
+        let parallel = ParallelConfig {
+            hybrid_shard_degree: layout.sdp,
+            tensor_parallel_degree: layout.tp,
+            sequence_parallel: layout.sequence_parallel,
+            ..Default::default()
+        };
+        run_on_threads(layout.world, CommOptions::default(), |world| {
+            let device = Default::default();
+            let mesh = Mesh::over_host(world, &parallel).unwrap();
+            let gpt = gpt_units::<Cpu>(&cfg, mesh.tp(), &device).unwrap();
+            let units = Units {
+                stem: gpt.stem,
+                blocks: gpt.blocks,
+                head: ChunkHead {
+                    ln_f: burn::nn::LayerNormConfig::new(cfg.d_model).init(&device),
+                    out: burn::nn::LinearConfig::new(cfg.d_model, cfg.vocab)
+                        .with_bias(false)
+                        .init(&device),
+                },
+            };
+            let mut engine = EngineBuilder::new(&mesh)
+                .init(seeded())
+                .adamw(adamw())
+                .build(units, &device)
+                .unwrap();
+            let per_rank = GLOBAL_BATCH / mesh.dp_size();
+            let per_micro = per_rank / layout.micro_batches;
+            let mut losses = Vec::new();
+            for step in 0..STEPS {
+                let (x, y) = global_batch(step, cfg.vocab);
+                let first = mesh.dp_rank() * per_rank;
+                let micro = (0..layout.micro_batches).map(|m| {
+                    let r = first + m * per_micro..first + (m + 1) * per_micro;
+                    (rows(&x, r.clone()), rows(&y, r))
+                });
+                losses.push(engine.train_step(micro, LR).unwrap().loss.into_scalar() as f64);
+            }
+            let mut params: Vec<(String, Vec<f32>)> = engine
+                .gather_named(StateKind::Weights)
+                .unwrap()
+                .into_iter()
+                .map(|(name, _, v)| (name, v))
+                .collect();
+            params.sort_by(|a, b| a.0.cmp(&b.0));
+            Run { losses, params }
+        })
+    };
+    let reference = run(Layout::new(1, 0, 1)).remove(0);
+    let mut accumulate = Layout::new(4, 0, 2);
+    accumulate.micro_batches = 2;
+    for layout in [Layout::new(2, 0, 2), accumulate] {
+        for (rank, got) in run(layout).iter().enumerate() {
+            assert_matches(
+                &reference,
+                got,
+                &format!("chunk-scored {layout:?} rank {rank}"),
+            );
+        }
+    }
 }
 
 /// An initialized model handed to the engine as it is (each rank keeps its shard), and a full

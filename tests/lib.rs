@@ -162,6 +162,7 @@ pub fn train_rank_packed(
         offloaded_bytes: 0,
     };
     for step in 0..steps {
+        let mut micro = Vec::with_capacity(micro_batches);
         for mb in 0..micro_batches {
             let all = synthetic_batch(
                 step * micro_batches + mb,
@@ -174,20 +175,33 @@ pub fn train_rank_packed(
                 .chunks(seq + 1)
                 .flat_map(|r| r[..seq].to_vec())
                 .collect();
-            let targets: Vec<i64> = rows.chunks(seq + 1).flat_map(|r| r[1..].to_vec()).collect();
+            let mut targets: Vec<i64> =
+                rows.chunks(seq + 1).flat_map(|r| r[1..].to_vec()).collect();
             let documents = document_lengths.map(|lengths| {
+                // A document's last position predicts the next document's first token: not
+                // scored, as the trainer does under document masking.
+                for row in targets.chunks_mut(seq) {
+                    let mut end = 0;
+                    for &len in lengths {
+                        end += len;
+                        row[end - 1] = smp_burn::ops::IGNORE_INDEX;
+                    }
+                }
                 Documents::from_lengths(seq, vec![lengths.to_vec(); local]).expect("documents")
             });
             let tokens =
                 Tensor::<Cpu, 2, Int>::from_data(TensorData::new(inputs, [local, seq]), &device);
             let targets =
                 Tensor::<Cpu, 2, Int>::from_data(TensorData::new(targets, [local, seq]), &device);
-            let micro = match documents {
+            micro.push(match documents {
                 Some(documents) => MicroBatch::packed(tokens, targets, documents),
                 None => (tokens, targets).into(),
-            };
+            });
+        }
+        let scale = model.per_scored_target(&micro).expect("scored targets");
+        for (mb, micro) in micro.into_iter().enumerate() {
             model
-                .forward_backward(micro, 1.0 / micro_batches as f32, mb + 1 == micro_batches)
+                .forward_backward(micro, scale.clone(), mb + 1 == micro_batches)
                 .expect("step");
         }
         let stats = model.step(1e-2).expect("optimizer");

@@ -1235,7 +1235,9 @@ pub struct Summary {
 }
 
 /// The micro-batch of `batch` on `device`; with `document_separator`, its rows cut into
-/// documents after each such token.
+/// documents after each such token, and the separator's own target (the next document's first
+/// token, which nothing it may attend to predicts) left out of the loss, as Megatron-LM's
+/// `--eod-mask-loss` and Hugging Face's flattening collator do.
 fn micro_batch<B: AutodiffBackend>(
     batch: &Batch,
     document_separator: Option<u32>,
@@ -1243,7 +1245,15 @@ fn micro_batch<B: AutodiffBackend>(
 ) -> Result<MicroBatch<B>> {
     let shape = [batch.batch, batch.seq_len];
     let tokens = Tensor::from_data(TensorData::new(batch.inputs.clone(), shape), device);
-    let targets = Tensor::from_data(TensorData::new(batch.targets.clone(), shape), device);
+    let mut targets = batch.targets.clone();
+    if let Some(separator) = document_separator {
+        for (target, &input) in targets.iter_mut().zip(&batch.inputs) {
+            if input == separator as i64 {
+                *target = smp_burn::ops::IGNORE_INDEX;
+            }
+        }
+    }
+    let targets = Tensor::from_data(TensorData::new(targets, shape), device);
     Ok(match document_separator {
         Some(separator) => MicroBatch::packed(
             tokens,
@@ -1511,22 +1521,28 @@ pub fn train_rank<B: AutodiffBackend>(
         let step = start_step;
         let t0 = Instant::now();
         let lr = cfg.lr_at(step);
-        for micro in 0..accum {
+        let mut micro_batches = Vec::with_capacity(accum);
+        for _ in 0..accum {
             let batch = prepared.dataset.next_batch_for_rank(
                 &mut position,
                 global_micro,
                 mesh.dp_rank(),
                 mesh.dp_size(),
             )?;
-            let micro_batch = micro_batch::<B>(&batch, separator, device)?;
-            if lead
-                && !packing_reported
-                && let Some(documents) = &micro_batch.documents
-            {
-                packing_reported = true;
-                log_packing(documents);
-            }
-            model.forward_backward(micro_batch, 1.0 / accum as f32, micro + 1 == accum)?;
+            micro_batches.push(micro_batch::<B>(&batch, separator, device)?);
+        }
+        if lead
+            && !packing_reported
+            && let Some(documents) = &micro_batches[0].documents
+        {
+            packing_reported = true;
+            log_packing(documents);
+        }
+        // The step's loss is the mean over its scored targets, however they fall into ranks
+        // and micro-batches (the separators' targets are not scored under document masking).
+        let scale = model.per_scored_target(&micro_batches)?;
+        for (micro, micro_batch) in micro_batches.into_iter().enumerate() {
+            model.forward_backward(micro_batch, scale.clone(), micro + 1 == accum)?;
             if lead && !offload_reported && model.offloaded_bytes() > 0 {
                 offload_reported = true;
                 tracing::info!(

@@ -250,13 +250,35 @@ pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) 
     silu(gate) * up
 }
 
+/// The target of a position that is not scored: PyTorch's `ignore_index` default and Hugging
+/// Face's label for prompt, padding and cross-document tokens. Such a position adds nothing to
+/// the loss or to any gradient, and the mean is over the other positions. The loss functions of
+/// this crate treat every negative target alike.
+pub const IGNORE_INDEX: i64 = -100;
+
+/// What the losses need to skip ignored targets: the targets with each ignored one replaced by
+/// 0 (a row every gather can read), whether each position is scored (f32 1 or 0), and the mean's
+/// divisor, the scored count but at least 1, so that a micro-batch with nothing to score has
+/// loss 0 and zero gradients rather than NaN. The divisor stays on the device: counting on the
+/// host would make it wait for the data.
+pub(crate) fn scored_targets<B: Backend>(
+    targets: Tensor<B, 1, Int>,
+) -> (Tensor<B, 1, Int>, Tensor<B, 1>, Tensor<B, 1>) {
+    let scored = targets.clone().greater_equal_elem(0);
+    let safe = targets.mask_fill(scored.clone().bool_not(), 0);
+    let weight = scored.float().cast(DType::F32);
+    let divisor = weight.clone().sum().clamp_min(1.0);
+    (safe, weight, divisor)
+}
+
 /// Mean cross-entropy of `logits: [tokens, vocab]` against `targets: [tokens]`, with the
-/// log-softmax in f32.
+/// log-softmax in f32, over the positions whose target is not [`IGNORE_INDEX`].
 pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
     let [tokens, _] = logits.dims();
+    let (safe, scored, divisor) = scored_targets(targets);
     let logp = log_softmax(logits.cast(DType::F32), 1);
-    let picked = logp.gather(1, targets.reshape([tokens, 1]));
-    picked.mean().neg()
+    let picked = logp.gather(1, safe.reshape([tokens, 1])).reshape([tokens]);
+    (picked * scored).sum().div(divisor).neg()
 }
 
 /// Mean cross-entropy of the logits `x @ weight^T` against `targets`, with `x: [tokens, hidden]`
@@ -368,6 +390,7 @@ fn lce_forward<B: Backend>(
     keep_lse: bool,
 ) -> (Tensor<B, 1>, Option<Tensor<B, 1>>, Option<Tensor<B, 2>>) {
     let [tokens, _] = x.dims();
+    let (safe, scored, divisor) = scored_targets(targets.clone());
     let single_chunk = tokens <= chunk_tokens;
     let mut kept_logits = None;
     let mut total: Option<Tensor<B, 1>> = None;
@@ -378,16 +401,18 @@ fn lce_forward<B: Backend>(
         if keep_lse && single_chunk {
             kept_logits = Some(logits.clone());
         }
+        // The fused kernel reads the targets as they are (an ignored one scores 0).
         let t = targets.clone().narrow(0, start, len);
         let (lse, sum) = match crate::fast::xent_row_stats(&logits, &t) {
             Some((lse, loss)) => (lse, loss.sum()),
             None => {
                 let logits = logits.cast(DType::F32);
-                let picked = logits.clone().gather(1, t.reshape([len, 1]));
+                let t = safe.clone().narrow(0, start, len);
+                let picked = logits.clone().gather(1, t.reshape([len, 1])).reshape([len]);
                 let max = logits.clone().max_dim(1);
-                let lse = (logits - max.clone()).exp().sum_dim(1).log() + max;
-                let sum = (lse.clone() - picked).sum();
-                (lse.reshape([len]), sum)
+                let lse = ((logits - max.clone()).exp().sum_dim(1).log() + max).reshape([len]);
+                let sum = ((lse.clone() - picked) * scored.clone().narrow(0, start, len)).sum();
+                (lse, sum)
             }
         };
         total = Some(match total {
@@ -398,7 +423,7 @@ fn lce_forward<B: Backend>(
             lses.push(lse);
         }
     }
-    let loss = total.expect("at least one token").div_scalar(tokens as f64);
+    let loss = total.expect("at least one token").div(divisor);
     let lse = keep_lse.then(|| {
         if lses.len() == 1 {
             lses.pop().expect("one chunk")
@@ -410,7 +435,8 @@ fn lce_forward<B: Backend>(
 }
 
 /// The chunked backward: recomputes each chunk's logits, forms
-/// `g = (softmax - onehot(target)) * grad / tokens` in f32, rounds it to the weight's dtype (as
+/// `g = (softmax - onehot(target)) * grad / scored` in f32 (zero on ignored rows), rounds it to
+/// the weight's dtype (as
 /// the reference's cast does) and runs the two GEMMs `dx = g W`, `dW += g^T x`. `dW` is summed
 /// over chunks in f32 when the weight is of lower precision.
 #[allow(clippy::too_many_arguments)]
@@ -430,7 +456,8 @@ fn lce_backward<B: Backend>(
     let device = x.device();
     let n_chunks = tokens.div_ceil(chunk_tokens);
     let accumulate_f32 = n_chunks > 1 && dtype != DType::F32;
-    let scale = (grad.cast(DType::F32) / tokens as f64).reshape([1, 1]);
+    let (safe, scored, divisor) = scored_targets(targets.clone());
+    let scale = (grad.cast(DType::F32) / divisor).reshape([1, 1]);
     let mut dxs = Vec::with_capacity(n_chunks);
     let mut dw: Option<Tensor<B, 2>> = None;
     for (start, len) in chunks(tokens, chunk_tokens) {
@@ -446,10 +473,12 @@ fn lce_backward<B: Backend>(
             .flatten();
         let g = fused.unwrap_or_else(|| {
             let minus_one = Tensor::<B, 2>::full([len, 1], -1.0, (&device, DType::F32));
+            let t = safe.clone().narrow(0, start, len).reshape([len, 1]);
+            let row_scale = scored.clone().narrow(0, start, len).reshape([len, 1]) * scale.clone();
             (logits.cast(DType::F32) - lse_c.reshape([len, 1]))
                 .exp()
-                .scatter(1, t.reshape([len, 1]), minus_one, IndexingUpdateOp::Add)
-                .mul(scale.clone())
+                .scatter(1, t, minus_one, IndexingUpdateOp::Add)
+                .mul(row_scale)
                 .cast(dtype)
         });
         let (dx_c, dw_c) = linear_grads(g, xc, weight.clone(), want_dx, want_dw);
@@ -962,6 +991,70 @@ mod tests {
                     "{ctx}: dx {e_dx:e} dw {e_dw:e}"
                 );
             }
+        }
+    }
+
+    /// Positions whose target is `IGNORE_INDEX` add nothing: the loss and dW equal those of the
+    /// other rows alone, their rows of dx are zero, on the reference and on the chunked op
+    /// (chunks that hold only ignored rows included); with every target ignored the loss and
+    /// the gradients are 0, not NaN.
+    #[test]
+    fn ignored_targets_are_left_out_of_the_loss() {
+        let (tokens, hidden, vocab) = (11, 6, 13);
+        let (x, w, t) = lce_inputs(tokens, hidden, vocab);
+        let ignored = [0usize, 4, 5, 10];
+        let kept: Vec<i64> = (0..tokens as i64)
+            .filter(|i| !ignored.contains(&(*i as usize)))
+            .collect();
+        let dev = x.device();
+        let kept_rows = Tensor::<B, 1, Int>::from_ints(kept.as_slice(), &dev);
+        let (want, want_dx, want_dw) = loss_and_grads(
+            &x.clone().select(0, kept_rows.clone()),
+            &w,
+            &t.clone().select(0, kept_rows),
+            true,
+            reference_lce,
+        );
+        let want_dx = want_dx.unwrap();
+        let mut ids: Vec<i64> = t.into_data().to_vec().unwrap();
+        for &i in &ignored {
+            ids[i] = IGNORE_INDEX;
+        }
+        let masked = Tensor::<B, 1, Int>::from_ints(ids.as_slice(), &dev);
+        type LossFn =
+            Box<dyn Fn(Tensor<Ad, 2>, Tensor<Ad, 2>, Tensor<Ad, 1, Int>) -> Tensor<Ad, 1>>;
+        let mut cases: Vec<(String, LossFn)> = vec![("reference".into(), Box::new(reference_lce))];
+        for chunk in [1, 2, 3, tokens, tokens + 5] {
+            cases.push((
+                format!("chunk {chunk}"),
+                Box::new(move |x, w, t| linear_cross_entropy_chunked(x, w, t, chunk)),
+            ));
+        }
+        for (name, f) in &cases {
+            let (got, got_dx, got_dw) = loss_and_grads(&x, &w, &masked, true, f);
+            assert!(
+                (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "{name}: loss {got} vs {want}"
+            );
+            assert!(rel_err(&got_dw, &want_dw) <= 1e-5, "{name}: dW");
+            let got_dx = got_dx.unwrap();
+            let mut k = 0;
+            for (row, got_row) in got_dx.chunks(hidden).enumerate() {
+                if ignored.contains(&row) {
+                    assert!(got_row.iter().all(|&v| v == 0.0), "{name}: dx row {row}");
+                } else {
+                    let want_row = &want_dx[k * hidden..(k + 1) * hidden];
+                    assert!(rel_err(got_row, want_row) <= 1e-5, "{name}: dx row {row}");
+                    k += 1;
+                }
+            }
+            let none = Tensor::<B, 1, Int>::full([tokens], IGNORE_INDEX, &dev);
+            let (zero, dx, dw) = loss_and_grads(&x, &w, &none, true, f);
+            assert_eq!(zero, 0.0, "{name}: all ignored");
+            assert!(
+                dx.unwrap().iter().chain(&dw).all(|&v| v == 0.0),
+                "{name}: all ignored, gradients"
+            );
         }
     }
 

@@ -62,7 +62,8 @@ fn element<F: Float, N: Size>(
 }
 
 /// Cube = one row of `logits: [rows, vocab]` (`row_vectors = vocab / nv`): `lse[row] =
-/// log(sum(exp(l - max))) + max` and `loss[row] = lse[row] - l[target]`, all in f32.
+/// log(sum(exp(l - max))) + max` and `loss[row] = lse[row] - l[target]` (0 where the target is
+/// negative, i.e. ignored), all in f32.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn row_stats_kernel<F: Float, N: Size>(
@@ -109,12 +110,17 @@ fn row_stats_kernel<F: Float, N: Size>(
     if t == 0 {
         let l = total.ln() + row_max;
         lse[row] = l;
-        let target = targets[row] as usize;
-        loss[row] = l - element::<F, N>(logits, base, target, nv);
+        let target = targets[row];
+        if target >= 0 {
+            loss[row] = l - element::<F, N>(logits, base, target as usize, nv);
+        } else {
+            loss[row] = f32::new(0.0);
+        }
     }
 }
 
-/// Cube = one row: `g[row, j] = round((exp(l[j] - lse[row]) - [j == target]) * scale[0])`.
+/// Cube = one row: `g[row, j] = round((exp(l[j] - lse[row]) - [j == target]) * scale[0])`, and
+/// zeros for a row whose target is negative (ignored).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn softmax_grad_kernel<F: Float, N: Size>(
@@ -136,8 +142,14 @@ fn softmax_grad_kernel<F: Float, N: Size>(
     let hv = row_vectors as usize;
     let base = row * hv;
     let lv = Vector::<f32, N>::new(lse[row]);
-    let sv = Vector::<f32, N>::new(scale[0]);
-    let target = targets[row] as usize;
+    let raw_target = targets[row];
+    let mut s = scale[0];
+    let mut target = raw_target as usize;
+    if raw_target < 0 {
+        s = f32::new(0.0);
+        target = 0;
+    }
+    let sv = Vector::<f32, N>::new(s);
     let mut c = t;
     while c < hv {
         let mut p = (Vector::<f32, N>::cast_from(logits[base + c]) - lv).exp();
@@ -192,7 +204,8 @@ fn dims(op: &str, logits: &Cube, targets: &Cube) -> (usize, usize) {
 }
 
 /// Each row's log-sum-exp and loss (`lse - logits[target]`) of `logits: [rows, vocab]`
-/// (bf16, f16 or f32) with `targets: [rows]` (i32, each below `vocab`): two f32 `[rows]`
+/// (bf16, f16 or f32) with `targets: [rows]` (i32, each below `vocab`; a negative target is
+/// ignored and scores 0): two f32 `[rows]`
 /// tensors. Matches `cast(f32)`, `max_dim`, `exp`, `sum_dim`, `log` and `gather` of Burn's ops.
 ///
 /// # Panics
@@ -216,7 +229,8 @@ pub fn row_stats(logits: Cube, targets: Cube) -> (Cube, Cube) {
     let nv = vector_width(vocab, logits.dtype);
     let dtype = logits.dtype;
     // SAFETY: one cube per row; vector indices stay below `rows * vocab / nv`, the target read
-    // below `vocab` (callers pass valid targets), `rows` for the outputs; shared memory holds
+    // (only for a target >= 0) below `vocab` (callers pass valid targets), `rows` for the
+    // outputs; shared memory holds
     // one value per plane.
     unsafe {
         row_stats_kernel::launch_unchecked::<CudaRuntime>(
@@ -239,7 +253,8 @@ pub fn row_stats(logits: Cube, targets: Cube) -> (Cube, Cube) {
 
 /// `(exp(logits - lse) - onehot(targets)) * scale[0]`, computed in f32 and rounded to the
 /// logits' dtype: the loss's gradient with respect to the logits (`scale` = upstream gradient /
-/// tokens, a one-element f32 tensor on the device).
+/// scored tokens, a one-element f32 tensor on the device); rows with a negative (ignored)
+/// target are zero.
 ///
 /// # Panics
 /// On mismatched shapes or dtypes.

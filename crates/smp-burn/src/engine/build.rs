@@ -688,6 +688,7 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
             steps: 0,
             aux: None,
             losses: Vec::new(),
+            weighted_losses: Vec::new(),
             deferred: false,
             mesh: mesh.clone(),
         };

@@ -317,6 +317,41 @@ impl<B: Backend> From<(Tensor<B, 2, Int>, Tensor<B, 2, Int>)> for MicroBatch<B> 
     }
 }
 
+/// How much one micro-batch's mean loss counts in its step ([`Engine::forward_backward`]).
+#[derive(Debug, Clone)]
+pub enum LossScale<IB: Backend> {
+    /// The loss times a constant (`1 / micro-batches` for accumulation): every micro-batch
+    /// weighs the same and the step reports the mean of their losses. An `f32` converts into
+    /// this.
+    Constant(f32),
+    /// The loss times the micro-batch's scored targets (those that are not
+    /// [`crate::ops::IGNORE_INDEX`]) over this one-element tensor, the step's scored targets
+    /// per data-parallel rank ([`Engine::per_scored_target`] makes it). The step's loss is then
+    /// the mean over every scored target of the global batch, whatever its split into ranks
+    /// and micro-batches, as PyTorch's trainers normalize by the batch's token count. Without
+    /// ignored targets this is exactly [`Self::Constant`] of `1 / micro-batches`.
+    PerScoredTarget(Tensor<IB, 1>),
+}
+
+impl<IB: Backend> From<f32> for LossScale<IB> {
+    fn from(scale: f32) -> Self {
+        Self::Constant(scale)
+    }
+}
+
+/// How many of `targets` a loss scores (those not ignored), as one f32 element on the inner
+/// backend.
+pub(crate) fn scored_count<B: burn::tensor::backend::AutodiffBackend, const D: usize>(
+    targets: Tensor<B, D, Int>,
+) -> Tensor<B::InnerBackend, 1> {
+    targets
+        .inner()
+        .greater_equal_elem(0)
+        .float()
+        .cast(burn::tensor::DType::F32)
+        .sum()
+}
+
 /// What one optimizer step reports, on the device (reading a value waits for the step; see
 /// [`crate::readback`] for reading it later without draining the GPU's queue).
 #[derive(Debug, Clone)]
@@ -409,6 +444,9 @@ where
     aux: Option<(usize, S::Aux)>,
     /// Losses of the micro-batches since the last step (this rank's, tensor-parallel mean).
     losses: Vec<Tensor<B::InnerBackend, 1>>,
+    /// Their shares of the step's mean ([`LossScale::PerScoredTarget`]: each loss times its
+    /// weight), when every micro-batch since the last step was weighted so.
+    weighted_losses: Vec<Tensor<B::InnerBackend, 1>>,
     /// Whether the last micro-batch left its gradients unreduced (`sync = false`).
     deferred: bool,
 }

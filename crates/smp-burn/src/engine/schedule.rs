@@ -15,7 +15,9 @@
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, backend::AutodiffBackend};
 
-use super::{BlockUnit, Cx, Engine, HeadUnit, MicroBatch, StemUnit, StepStats, Tied};
+use super::{
+    BlockUnit, Cx, Engine, HeadUnit, LossScale, MicroBatch, StemUnit, StepStats, Tied, scored_count,
+};
 use crate::PendingGather;
 use crate::error::SmpError;
 use crate::fsdp::{ExternalParams, FsdpContext, ShardedUnit, clip_factor};
@@ -207,8 +209,9 @@ where
 
     /// Forward and backward of one micro-batch of this data-parallel rank (a [`MicroBatch`], or
     /// a `(tokens, targets)` pair of `[batch, seq]`, the same on every tensor-parallel rank).
-    /// The loss is multiplied by `loss_scale` before differentiation (`1 / micro-batches` for
-    /// accumulation). With `sync` (the last micro-batch of a step) the gradients are reduced
+    /// The loss is multiplied by `loss_scale` before differentiation: `1 / micro-batches` for
+    /// accumulation, or [`Self::per_scored_target`] of the step's micro-batches so that
+    /// ignored targets do not tilt the mean ([`LossScale`]). With `sync` (the last micro-batch of a step) the gradients are reduced
     /// and added to the shards; without it they are only accumulated locally (FSDP's
     /// `no_sync`) until a later call with `sync`, which [`Self::step`] requires of the last
     /// micro-batch. Under `reduce_every_micro_batch` every call reduces. Returns this rank's loss (the mean over
@@ -220,10 +223,11 @@ where
     pub fn forward_backward(
         &mut self,
         micro: impl Into<MicroBatch<B>>,
-        loss_scale: f32,
+        loss_scale: impl Into<LossScale<B::InnerBackend>>,
         sync: bool,
     ) -> Result<Tensor<B::InnerBackend, 1>, SmpError> {
         let micro = micro.into();
+        let loss_scale = loss_scale.into();
         let cx = self.context_of_micro(&micro)?;
         let MicroBatch {
             tokens, targets, ..
@@ -319,6 +323,8 @@ where
         }
         let head = self.head.unit.assemble_with(head_full, true, &tracked);
         let x = x.require_grad();
+        let scored_targets =
+            matches!(loss_scale, LossScale::PerScoredTarget(_)).then(|| targets.clone());
         let (loss, scope) = head.loss(x.clone(), targets, &cx).into_parts();
         self.check_tp()?;
         if loss.dims() != [1] {
@@ -330,9 +336,29 @@ where
         // A loss over this rank's chunk of the sequence: the micro-batch's loss is the mean of
         // the ranks' (equal-sized) chunks, so each differentiates 1 / tp of its own.
         let chunked = scope == LossScope::Chunk && tp.sequence_parallel();
-        let share = if chunked { tp.degree() as f32 } else { 1.0 };
         let local_loss = loss.clone().inner();
-        let mut grads = (loss * (loss_scale / share)).backward();
+        // Weighted by scored targets, a chunk's loss counts by its own chunk's targets, which
+        // also splits the micro-batch's share between the chunks.
+        let weight = match (&loss_scale, scored_targets) {
+            (LossScale::PerScoredTarget(per_rank), Some(targets)) => {
+                let scored = if chunked {
+                    cx.chunk_of(targets)
+                } else {
+                    targets
+                };
+                let floor = 0.5 / self.mesh.dp_size() as f64;
+                Some(scored_count(scored) / per_rank.clone().clamp_min(floor))
+            }
+            _ => None,
+        };
+        let mut grads = match (&weight, &loss_scale) {
+            (Some(w), _) => (loss * Tensor::<B, 1>::from_inner(w.clone())).backward(),
+            (None, LossScale::Constant(c)) => {
+                let share = if chunked { tp.degree() as f32 } else { 1.0 };
+                (loss * (c / share)).backward()
+            }
+            (None, LossScale::PerScoredTarget(_)) => unreachable!("weighted above"),
+        };
         self.check_tp()?;
         let mut grad = x.grad(&grads).ok_or_else(|| {
             SmpError::Usage("the head's loss does not depend on its input".into())
@@ -437,6 +463,14 @@ where
         if let Some(t) = &mut self.tied {
             t.unit.finish_grads(&ctx)?;
         }
+        if let Some(w) = weight {
+            let share = local_loss.clone() * w;
+            self.weighted_losses
+                .push(match (chunked, self.mesh.tp_context()) {
+                    (true, Some(tp)) => tp.all_reduce_sum(share)?,
+                    _ => share,
+                });
+        }
         let loss = match (chunked, self.mesh.tp_context()) {
             (true, Some(tp)) => tp.all_reduce_mean(local_loss)?,
             _ => local_loss,
@@ -488,8 +522,14 @@ where
         let (optimizer, steps) = (self.optimizer.clone(), self.steps);
         self.for_each_unit_result(|u| u.optimizer_step(&optimizer, lr, steps, scale.clone()))?;
         let count = self.losses.len();
-        let sum = Tensor::cat(std::mem::take(&mut self.losses), 0).sum();
-        let loss = self.mesh.mean_over_data_parallel(sum / count as f32)?;
+        let losses = std::mem::take(&mut self.losses);
+        let weighted = std::mem::take(&mut self.weighted_losses);
+        let local = if weighted.len() == count {
+            Tensor::cat(weighted, 0).sum()
+        } else {
+            Tensor::cat(losses, 0).sum() / count as f32
+        };
+        let loss = self.mesh.mean_over_data_parallel(local)?;
         let mut comm = ctx.take_stats();
         if let Some(tp) = self.mesh.tp_context() {
             let t = tp.take_stats();
@@ -521,11 +561,34 @@ where
         if micro.is_empty() {
             return Err(SmpError::Usage("train_step with no micro-batch".into()));
         }
+        let micro: Vec<MicroBatch<B>> = micro.into_iter().map(Into::into).collect();
+        let scale = self.per_scored_target(&micro)?;
         let n = micro.len();
         for (i, micro) in micro.into_iter().enumerate() {
-            self.forward_backward(micro, 1.0 / n as f32, i + 1 == n)?;
+            self.forward_backward(micro, scale.clone(), i + 1 == n)?;
         }
         self.step(lr)
+    }
+
+    /// The [`LossScale`] that makes a step over `micro` (this data-parallel rank's
+    /// micro-batches) the mean over every scored target of the global batch: the scored
+    /// targets of `micro`, averaged over the data-parallel ranks (one all-reduce of one
+    /// element, on the device). Pass it to [`Self::forward_backward`] for each of them.
+    ///
+    /// # Errors
+    /// No micro-batch, or a failed collective.
+    pub fn per_scored_target(
+        &self,
+        micro: &[MicroBatch<B>],
+    ) -> Result<LossScale<B::InnerBackend>, SmpError> {
+        let local = micro
+            .iter()
+            .map(|m| scored_count(m.targets.clone()))
+            .reduce(|a, b| a + b)
+            .ok_or_else(|| SmpError::Usage("per_scored_target of no micro-batch".into()))?;
+        Ok(LossScale::PerScoredTarget(
+            self.mesh.mean_over_data_parallel(local)?,
+        ))
     }
 
     /// Per-unit sums of gradient squares; with `replicated_share`, replicated parameters
@@ -561,7 +624,7 @@ where
     }
 
     /// Mean loss of a micro-batch (this data-parallel rank's, as in [`Self::forward_backward`])
-    /// without any autodiff graph, averaged over the data-parallel ranks.
+    /// without any autodiff graph, over the scored targets of every data-parallel rank's.
     ///
     /// # Errors
     /// As [`Self::forward_backward`].
@@ -580,22 +643,32 @@ where
             .head
             .unit
             .gather_with(&ctx, false, &externals(tied.as_ref(), false))?;
-        let (loss, scope) = head.loss(x, targets, &cx).into_parts();
+        let (loss, scope) = head.loss(x, targets.clone(), &cx).into_parts();
         self.check_tp()?;
-        let mut loss = loss.inner();
-        if scope == LossScope::Chunk
-            && tp.sequence_parallel()
-            && let Some(tp) = self.mesh.tp_context()
-        {
-            loss = tp.all_reduce_mean(loss)?;
+        // Each part's mean counts by its scored targets: (loss x count, count), summed over
+        // the sequence's chunks and averaged over the data-parallel ranks.
+        let chunked = scope == LossScope::Chunk && tp.sequence_parallel();
+        let count = scored_count(if chunked {
+            cx.chunk_of(targets)
+        } else {
+            targets
+        });
+        let mut parts = Tensor::cat(vec![loss.inner() * count.clone(), count], 0);
+        if chunked && let Some(tp) = self.mesh.tp_context() {
+            parts = tp.all_reduce_sum(parts)?;
         }
-        let loss = self.mesh.mean_over_data_parallel(loss)?;
-        let value = loss
+        let parts = self
+            .mesh
+            .mean_over_data_parallel(parts)?
             .into_data()
             .convert::<f64>()
             .to_vec::<f64>()
             .map_err(|e| SmpError::Usage(format!("reading the loss: {e:?}")))?;
-        Ok(value.first().copied().unwrap_or(f64::NAN))
+        Ok(match parts.as_slice() {
+            [_, count] if *count == 0.0 => 0.0,
+            [sum, count] => sum / count,
+            _ => f64::NAN,
+        })
     }
 
     /// Logits `[batch, seq, vocab]` of `tokens` without any autodiff graph (evaluation and

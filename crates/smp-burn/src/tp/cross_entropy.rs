@@ -35,7 +35,7 @@ pub(crate) type BoxedArgs = (Box<dyn Any>, Box<dyn Any>, Box<dyn Any>);
 /// `weight` is this rank's `[vocab / tp, hidden]` rows of the LM head (a vocab-parallel
 /// embedding's table, for tied embeddings) and `targets` the whole `[batch, seq]` (the same on
 /// every rank). The loss covers the whole sequence and is the same on every rank of the group
-/// ([`Loss::over_sequence`]).
+/// ([`Loss::over_sequence`]); positions whose target is [`ops::IGNORE_INDEX`] are left out.
 ///
 /// At degree 1 this is [`ops::linear_cross_entropy`], with its fast paths.
 ///
@@ -159,6 +159,8 @@ fn forward<B: Backend>(
 ) -> Result<(Tensor<B, 1>, Option<Tensor<B, 1>>), SmpError> {
     let [tokens, _] = x.dims();
     let rows = w.dims()[0];
+    // An ignored (negative) target is no rank's word; its position is left out of the mean.
+    let (_, scored, divisor) = ops::scored_targets(targets.clone());
     let (local, mine) = local_targets(targets, tp.rank() * rows, rows);
     let step = chunk_tokens(rows);
     let mut lses = Vec::new();
@@ -181,7 +183,7 @@ fn forward<B: Backend>(
     let sums = tp.all_reduce(Tensor::cat(vec![rescaled, picked], 0), ReduceOp::Sum)?;
     let lse = sums.clone().narrow(0, 0, tokens).log() + max;
     let target = sums.narrow(0, tokens, tokens);
-    let loss = (lse.clone() - target).mean();
+    let loss = ((lse.clone() - target) * scored).sum().div(divisor);
     Ok((loss, keep.then_some(lse)))
 }
 
@@ -213,8 +215,9 @@ impl<B: Backend> Backward<B, 2> for VocabParallelBackward {
         let [tokens, _] = x.dims();
         let rows = w.dims()[0];
         let (dtype, x_dtype, device) = (w.dtype(), x.dtype(), x.device());
+        let (_, scored, divisor) = ops::scored_targets(targets.clone());
         let (local, mine) = local_targets(targets, tp.rank() * rows, rows);
-        let scale = (float::<B, 1>(grad).cast(DType::F32) / tokens as f64).reshape([1, 1]);
+        let scale = (float::<B, 1>(grad).cast(DType::F32) / divisor).reshape([1, 1]);
         let step = chunk_tokens(rows).max(1);
         let n_chunks = tokens.div_ceil(step);
         let accumulate_f32 = n_chunks > 1 && dtype != DType::F32;
@@ -227,10 +230,11 @@ impl<B: Backend> Backward<B, 2> for VocabParallelBackward {
             let lse_c = lse.clone().narrow(0, start, len).reshape([len, 1]);
             let t = local.clone().narrow(0, start, len).reshape([len, 1]);
             let minus = mine.clone().narrow(0, start, len).reshape([len, 1]).neg();
+            let row_scale = scored.clone().narrow(0, start, len).reshape([len, 1]) * scale.clone();
             let g = (logits - lse_c)
                 .exp()
                 .scatter(1, t, minus, IndexingUpdateOp::Add)
-                .mul(scale.clone())
+                .mul(row_scale)
                 .cast(dtype);
             let (dx_c, dw_c) = ops::linear_grads(g, xc, w.clone(), node_x.is_some(), true);
             if let Some(d) = dx_c {
@@ -352,61 +356,69 @@ mod tests {
         let ids: Vec<i64> = (0..batch * seq)
             .map(|i| ((i * 5 + 3) % vocab) as i64)
             .collect();
-        let targets = Tensor::<Inner, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &dev);
-        // Reference: full logits, replicated loss.
-        let (xr, wr) = (
-            Tensor::<B, 3>::from_inner(x.clone()).require_grad(),
-            Tensor::<B, 2>::from_inner(w.clone()).require_grad(),
-        );
-        let logits = ops::linear(xr.clone().reshape([batch * seq, hidden]), wr.clone());
-        let loss = ops::cross_entropy(
-            logits,
-            Tensor::from_inner(targets.clone()).reshape([batch * seq]),
-        );
-        let want = loss.clone().into_scalar();
-        let grads = loss.backward();
-        let (gx, gw) = (xr.grad(&grads).unwrap(), wr.grad(&grads).unwrap());
-        for (tp, sp) in [(2, true), (4, true), (2, false)] {
-            run_on_threads(tp, CommOptions::default(), |comm| {
-                let group = TpGroup::new(TpContext::<Inner>::new(
-                    Arc::new(HostTensorComm::new(comm)),
-                    sp,
-                ));
-                let r = group.rank();
-                let rows = vocab / tp;
-                let chunk = group.sequence_chunk(seq).unwrap();
-                let xl = Tensor::<B, 3>::from_inner(x.clone().slice([0..batch, chunk.clone()]))
-                    .require_grad();
-                let wl =
-                    Tensor::<B, 2>::from_inner(w.clone().narrow(0, r * rows, rows)).require_grad();
-                let gathered = group.enter(xl.clone());
-                let loss = vocab_parallel_cross_entropy(
-                    &gathered,
-                    wl.clone(),
-                    Tensor::from_inner(targets.clone()),
-                );
-                assert_eq!(loss.scope(), crate::loss::LossScope::Sequence);
-                let got = loss.value().clone().into_scalar();
-                assert!((got - want).abs() < 1e-5, "tp {tp}: loss {got} vs {want}");
-                let grads = loss.value().clone().backward();
-                assert!(group.take_failure().is_none());
-                let close = |a: Tensor<Inner, 3>, b: Tensor<Inner, 3>, what: &str| {
-                    let (a, b) = (a.into_data().to_vec::<f32>().unwrap(), b.into_data());
-                    for (x, y) in a.iter().zip(b.to_vec::<f32>().unwrap()) {
-                        assert!((x - y).abs() < 1e-5, "tp {tp} sp {sp} {what}: {x} vs {y}");
-                    }
-                };
-                close(
-                    xl.grad(&grads).unwrap(),
-                    gx.clone().slice([0..batch, chunk]),
-                    "input gradient",
-                );
-                close(
-                    wl.grad(&grads).unwrap().unsqueeze(),
-                    gw.clone().narrow(0, r * rows, rows).unsqueeze(),
-                    "weight gradient",
-                );
-            });
+        // The second set leaves two positions unscored (one per row, one in each half of the
+        // sequence so both sequence-parallel chunks hold one).
+        let mut ignored = ids.clone();
+        ignored[1] = ops::IGNORE_INDEX;
+        ignored[seq + 2] = ops::IGNORE_INDEX;
+        for ids in [ids, ignored] {
+            let targets =
+                Tensor::<Inner, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &dev);
+            // Reference: full logits, replicated loss.
+            let (xr, wr) = (
+                Tensor::<B, 3>::from_inner(x.clone()).require_grad(),
+                Tensor::<B, 2>::from_inner(w.clone()).require_grad(),
+            );
+            let logits = ops::linear(xr.clone().reshape([batch * seq, hidden]), wr.clone());
+            let loss = ops::cross_entropy(
+                logits,
+                Tensor::from_inner(targets.clone()).reshape([batch * seq]),
+            );
+            let want = loss.clone().into_scalar();
+            let grads = loss.backward();
+            let (gx, gw) = (xr.grad(&grads).unwrap(), wr.grad(&grads).unwrap());
+            for (tp, sp) in [(2, true), (4, true), (2, false)] {
+                run_on_threads(tp, CommOptions::default(), |comm| {
+                    let group = TpGroup::new(TpContext::<Inner>::new(
+                        Arc::new(HostTensorComm::new(comm)),
+                        sp,
+                    ));
+                    let r = group.rank();
+                    let rows = vocab / tp;
+                    let chunk = group.sequence_chunk(seq).unwrap();
+                    let xl = Tensor::<B, 3>::from_inner(x.clone().slice([0..batch, chunk.clone()]))
+                        .require_grad();
+                    let wl = Tensor::<B, 2>::from_inner(w.clone().narrow(0, r * rows, rows))
+                        .require_grad();
+                    let gathered = group.enter(xl.clone());
+                    let loss = vocab_parallel_cross_entropy(
+                        &gathered,
+                        wl.clone(),
+                        Tensor::from_inner(targets.clone()),
+                    );
+                    assert_eq!(loss.scope(), crate::loss::LossScope::Sequence);
+                    let got = loss.value().clone().into_scalar();
+                    assert!((got - want).abs() < 1e-5, "tp {tp}: loss {got} vs {want}");
+                    let grads = loss.value().clone().backward();
+                    assert!(group.take_failure().is_none());
+                    let close = |a: Tensor<Inner, 3>, b: Tensor<Inner, 3>, what: &str| {
+                        let (a, b) = (a.into_data().to_vec::<f32>().unwrap(), b.into_data());
+                        for (x, y) in a.iter().zip(b.to_vec::<f32>().unwrap()) {
+                            assert!((x - y).abs() < 1e-5, "tp {tp} sp {sp} {what}: {x} vs {y}");
+                        }
+                    };
+                    close(
+                        xl.grad(&grads).unwrap(),
+                        gx.clone().slice([0..batch, chunk]),
+                        "input gradient",
+                    );
+                    close(
+                        wl.grad(&grads).unwrap().unsqueeze(),
+                        gw.clone().narrow(0, r * rows, rows).unsqueeze(),
+                        "weight gradient",
+                    );
+                });
+            }
         }
     }
 }
