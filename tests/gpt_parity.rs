@@ -28,7 +28,7 @@ use burn_ndarray::NdArray;
 use collectives::{CommOptions, Communicator, run_on_threads};
 use model::{Block, GptConfig, GptUnits, Head, Stem, gpt_units};
 use smp_burn::engine::{
-    BlockUnit, Cx, EngineBuilder, Group, HeadUnit, Init, StateKind, StemUnit, UnitId, Units,
+    BlockUnit, Cx, Engine, EngineBuilder, Group, HeadUnit, Init, StateKind, StemUnit, UnitId, Units,
 };
 use smp_burn::mesh::Mesh;
 use smp_burn::optim::{AdamW, BurnOptim};
@@ -338,34 +338,50 @@ fn engine_run(
             .param_groups(decay_all)
             .build(units, &device)
             .unwrap();
-        let per_rank = GLOBAL_BATCH / mesh.dp_size();
-        let per_micro = per_rank / layout.micro_batches;
-        let mut losses = Vec::new();
-        for step in 0..STEPS {
-            let (x, y) = global_batch(step, cfg.vocab);
-            let first = mesh.dp_rank() * per_rank;
-            let micro = (0..layout.micro_batches).map(|m| {
-                let r = first + m * per_micro..first + (m + 1) * per_micro;
-                (rows(&x, r.clone()), rows(&y, r))
-            });
-            let stats = engine.train_step(micro, LR).unwrap();
-            losses.push(stats.loss.into_scalar() as f64);
-        }
-        let mut params: Vec<(String, Vec<f32>)> = engine
-            .gather_named(StateKind::Weights)
-            .unwrap()
-            .into_iter()
-            .map(|(name, _, v)| (name, v))
-            .collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
-        let total: usize = params.iter().map(|(_, v)| v.len()).sum();
+        let run = train(&mut engine, &mesh, layout.micro_batches, cfg.vocab);
+        let total: usize = run.params.iter().map(|(_, v)| v.len()).sum();
         assert_eq!(
             total,
             cfg.num_parameters(),
             "gathered parameters, tied ones once"
         );
-        Run { losses, params }
+        run
     })
+}
+
+/// `STEPS` steps of this data-parallel rank's rows of each global batch in `micro_batches`
+/// micro-batches; the losses and the gathered weights, sorted by name.
+fn train<S, K, H>(
+    engine: &mut Engine<Cpu, S, K, H>,
+    mesh: &Mesh<NdArray<f32>>,
+    micro_batches: usize,
+    vocab: usize,
+) -> Run
+where
+    S: StemUnit<Cpu>,
+    K: BlockUnit<Cpu, Aux = S::Aux>,
+    H: HeadUnit<Cpu>,
+{
+    let per_rank = GLOBAL_BATCH / mesh.dp_size();
+    let per_micro = per_rank / micro_batches;
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = global_batch(step, vocab);
+        let first = mesh.dp_rank() * per_rank;
+        let micro = (0..micro_batches).map(|m| {
+            let r = first + m * per_micro..first + (m + 1) * per_micro;
+            (rows(&x, r.clone()), rows(&y, r))
+        });
+        losses.push(engine.train_step(micro, LR).unwrap().loss.into_scalar() as f64);
+    }
+    let mut params: Vec<(String, Vec<f32>)> = engine
+        .gather_named(StateKind::Weights)
+        .unwrap()
+        .into_iter()
+        .map(|(name, _, v)| (name, v))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    Run { losses, params }
 }
 
 fn seeded() -> Init<'static> {
@@ -486,26 +502,7 @@ fn chunk_scored_loss_matches_one_rank() {
                 .adamw(adamw())
                 .build(units, &device)
                 .unwrap();
-            let per_rank = GLOBAL_BATCH / mesh.dp_size();
-            let per_micro = per_rank / layout.micro_batches;
-            let mut losses = Vec::new();
-            for step in 0..STEPS {
-                let (x, y) = global_batch(step, cfg.vocab);
-                let first = mesh.dp_rank() * per_rank;
-                let micro = (0..layout.micro_batches).map(|m| {
-                    let r = first + m * per_micro..first + (m + 1) * per_micro;
-                    (rows(&x, r.clone()), rows(&y, r))
-                });
-                losses.push(engine.train_step(micro, LR).unwrap().loss.into_scalar() as f64);
-            }
-            let mut params: Vec<(String, Vec<f32>)> = engine
-                .gather_named(StateKind::Weights)
-                .unwrap()
-                .into_iter()
-                .map(|(name, _, v)| (name, v))
-                .collect();
-            params.sort_by(|a, b| a.0.cmp(&b.0));
-            Run { losses, params }
+            train(&mut engine, &mesh, layout.micro_batches, cfg.vocab)
         })
     };
     let reference = run(Layout::new(1, 0, 1)).remove(0);

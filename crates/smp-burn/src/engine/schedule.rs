@@ -346,6 +346,8 @@ where
                 } else {
                     targets
                 };
+                // A positive count per rank is at least 1 / dp; a zero one (nothing scored on
+                // any rank) leaves every weight 0 rather than NaN.
                 let floor = 0.5 / self.mesh.dp_size() as f64;
                 Some(scored_count(scored) / per_rank.clone().clamp_min(floor))
             }
