@@ -33,6 +33,7 @@ pub mod mesh;
 pub mod offload;
 pub mod ops;
 pub mod optim;
+mod packed_attention;
 pub mod plan;
 pub mod readback;
 pub mod selective;

@@ -129,33 +129,7 @@ pub fn causal_attention<B: Backend>(
     if let Some(o) = crate::fast::causal_attention(&q, &k, &v) {
         return o;
     }
-    let [batch, heads, seq, head_dim] = q.dims();
-    let kv_heads = k.dims()[1];
-    let group = heads / kv_heads;
-    let expand = |t: Tensor<B, 4>| {
-        if group == 1 {
-            t
-        } else {
-            t.unsqueeze_dim::<5>(2)
-                .expand([batch, kv_heads, group, seq, head_dim])
-                .reshape([batch, heads, seq, head_dim])
-        }
-    };
-    let (k, v) = (expand(k), expand(v));
-    let dtype = q.dtype();
-    let scores = q.matmul(k.swap_dims(2, 3)).cast(DType::F32) / (head_dim as f64).sqrt();
-    // Key j is hidden from query i when j > i. Built from index comparisons because Burn's
-    // `triu_mask` marks the complement of what its name suggests; applied as an additive bias
-    // (-1e30 underflows to 0 in exp) so no row is ever all -inf.
-    let device = scores.device();
-    let idx = Tensor::<B, 1, Int>::arange(0..seq as i64, &device);
-    let future: Tensor<B, 2, Bool> = idx
-        .clone()
-        .unsqueeze_dim::<2>(0)
-        .greater(idx.unsqueeze_dim::<2>(1));
-    let bias = Tensor::<B, 2>::zeros([seq, seq], &device).mask_fill(future, -1e30);
-    let scores = scores + bias.cast(DType::F32).unsqueeze::<4>();
-    let o = softmax(scores, 3).cast(dtype).matmul(v);
+    let o = reference_causal_attention(q, k, v);
     // Selective recomputation (see [`crate::selective`]): this path recomputes attention to
     // differentiate it, and takes the value the layer's forward kept.
     if crate::selective::recording() {
@@ -169,13 +143,94 @@ pub fn causal_attention<B: Backend>(
     o
 }
 
+/// Each key/value head repeated for the `heads / kv_heads` query heads it serves.
+fn expand_kv<B: Backend>(t: Tensor<B, 4>, heads: usize) -> Tensor<B, 4> {
+    let [batch, kv_heads, seq, head_dim] = t.dims();
+    let group = heads / kv_heads;
+    if group == 1 {
+        return t;
+    }
+    t.unsqueeze_dim::<5>(2)
+        .expand([batch, kv_heads, group, seq, head_dim])
+        .reshape([batch, heads, seq, head_dim])
+}
+
+/// Causal attention's probabilities in f32, `[batch, heads, seq, seq]`, from `q` and keys
+/// already expanded to the query heads.
+fn causal_probabilities<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>) -> Tensor<B, 4> {
+    let [_, _, seq, head_dim] = q.dims();
+    let scores = q.matmul(k.swap_dims(2, 3)).cast(DType::F32) / (head_dim as f64).sqrt();
+    // Key j is hidden from query i when j > i. Built from index comparisons because Burn's
+    // `triu_mask` marks the complement of what its name suggests; applied as an additive bias
+    // (-1e30 underflows to 0 in exp) so no row is ever all -inf.
+    let device = scores.device();
+    let idx = Tensor::<B, 1, Int>::arange(0..seq as i64, &device);
+    let future: Tensor<B, 2, Bool> = idx
+        .clone()
+        .unsqueeze_dim::<2>(0)
+        .greater(idx.unsqueeze_dim::<2>(1));
+    let bias = Tensor::<B, 2>::zeros([seq, seq], &device).mask_fill(future, -1e30);
+    softmax(scores + bias.cast(DType::F32).unsqueeze::<4>(), 3)
+}
+
+/// [`causal_attention`]'s arithmetic alone: no fast path, no selective recomputation.
+pub(crate) fn reference_causal_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    let heads = q.dims()[1];
+    let dtype = q.dtype();
+    let p = causal_probabilities(q, expand_kv(k, heads));
+    p.cast(dtype).matmul(expand_kv(v, heads))
+}
+
+/// The gradients `[dq, dk, dv]` of [`reference_causal_attention`] for the output gradient
+/// `d_o`, given its output `o`: the flash backward's arithmetic (`dS = P * (dP - rowsum(dO * O))`)
+/// with the `seq x seq` probabilities recomputed whole.
+pub(crate) fn reference_causal_attention_backward<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    o: Tensor<B, 4>,
+    d_o: Tensor<B, 4>,
+) -> [Tensor<B, 4>; 3] {
+    let [batch, heads, seq, head_dim] = q.dims();
+    let kv_heads = k.dims()[1];
+    let dtype = q.dtype();
+    // Divided as the forward divides the scores (a scalar multiply by the reciprocal rounds
+    // differently).
+    let root = (head_dim as f64).sqrt();
+    let (k, v) = (expand_kv(k, heads), expand_kv(v, heads));
+    let p = causal_probabilities(q.clone(), k.clone());
+    let dv = p.clone().cast(dtype).swap_dims(2, 3).matmul(d_o.clone());
+    let dp = d_o.clone().matmul(v.swap_dims(2, 3)).cast(DType::F32);
+    let delta = (d_o.cast(DType::F32) * o.cast(DType::F32)).sum_dim(3);
+    let ds = (p * (dp - delta)).cast(dtype);
+    let dq = ds.clone().matmul(k) / root;
+    let dk = ds.swap_dims(2, 3).matmul(q) / root;
+    // A key/value head's gradient is the sum over the query heads it serves.
+    let fold = |t: Tensor<B, 4>| {
+        if kv_heads == heads {
+            return t;
+        }
+        t.reshape([batch, kv_heads, heads / kv_heads, seq, head_dim])
+            .sum_dim(2)
+            .reshape([batch, kv_heads, seq, head_dim])
+    };
+    [dq, fold(dk), fold(dv)]
+}
+
 /// [`causal_attention`] inside each document of `documents` (FlashAttention's varlen, a
 /// "block-causal" mask): query `i` sees key `j` when `j <= i` and both lie in the same document.
 ///
-/// Each document runs on its own slice of the row through [`causal_attention`] (the flash
-/// kernels on CUDA), so the work is the documents' causal triangles, not the row's; without
-/// packing this is [`causal_attention`]. Shapes as there; `documents` must describe
-/// `[batch, seq]` (checked by the engine before any unit runs).
+/// Each document runs on its own slice of the row (through the flash kernels on CUDA), so the
+/// work is the documents' causal triangles, not the row's; without packing this is
+/// [`causal_attention`]. Shapes as there; `documents` must describe `[batch, seq]` (checked by
+/// the engine before any unit runs). On `Autodiff<NdArray<f32>>` and the CUDA autodiff backends
+/// the documents are one autodiff op whose backward writes each document's gradients into one
+/// whole-row gradient per input; elsewhere the rows are cut with Burn's `narrow`, whose backward
+/// makes a whole-row gradient per document.
 pub fn causal_attention_in_documents<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -184,6 +239,21 @@ pub fn causal_attention_in_documents<B: Backend>(
 ) -> Tensor<B, 4> {
     if !documents.is_packed() {
         return causal_attention(q, k, v);
+    }
+    if let Some(o) = crate::fast::causal_attention_in_documents(&q, &k, &v, documents) {
+        return o;
+    }
+    if TypeId::of::<B>() == TypeId::of::<Autodiff<NdArray<f32>>>() {
+        return crate::downcast::same(crate::packed_attention::attention_in_documents::<
+            NdArray<f32>,
+            _,
+        >(
+            crate::packed_attention::ReferenceKernel,
+            crate::downcast::same(q),
+            crate::downcast::same(k),
+            crate::downcast::same(v),
+            documents,
+        ));
     }
     let rows = (0..documents.batch())
         .map(|r| {

@@ -20,6 +20,7 @@ use cubecl::cuda::CudaRuntime;
 use super::bridge::{Arg, Cube, CubeFn, CubeInner};
 use super::device::cuda_compute_capability;
 use super::flash::{self, flash_backward, flash_forward, mma_async_supported, mma_supported};
+use crate::packed_attention::DocumentKernel;
 use crate::selective;
 
 /// Whether the flash kernels take these inputs: half-precision floats, head dim 64 or 128,
@@ -88,6 +89,84 @@ fn forward_on<I: CubeInner>(
     (o, lse)
 }
 
+/// The backward on backend `I`: `[dq, dk, dv]` from the forward's inputs, output and
+/// log-sum-exp and the output gradient.
+fn backward_on<I: CubeInner>(
+    q: I::FloatTensorPrimitive,
+    k: I::FloatTensorPrimitive,
+    v: I::FloatTensorPrimitive,
+    o: I::FloatTensorPrimitive,
+    lse: I::FloatTensorPrimitive,
+    d_o: I::FloatTensorPrimitive,
+    scale: f32,
+) -> Vec<I::FloatTensorPrimitive> {
+    use burn::tensor::TensorMetadata;
+    let outputs = vec![
+        (q.shape(), q.dtype()),
+        (k.shape(), k.dtype()),
+        (v.shape(), v.dtype()),
+    ];
+    let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
+        let [q, k, v, o, lse, d_o]: [Cube; 6] = inputs.try_into().expect("six inputs");
+        let (dq, dk, dv) = flash_backward(q, k, v, o, lse, d_o, scale);
+        vec![dq, dk, dv]
+    });
+    let args = [q, k, v, o, lse, d_o].into_iter().map(Arg::Float).collect();
+    I::run("smp_burn.flash_backward", args, outputs, f)
+}
+
+/// One packed document's attention through the flash kernels
+/// ([`crate::ops::causal_attention_in_documents`] on the CUDA autodiff backends).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FlashDocuments;
+
+impl<I: CubeInner> DocumentKernel<I> for FlashDocuments {
+    fn forward(
+        &self,
+        q: Tensor<I, 4>,
+        k: Tensor<I, 4>,
+        v: Tensor<I, 4>,
+    ) -> (Tensor<I, 4>, Option<Tensor<I, 3>>) {
+        let s = scale(q.dims()[3]);
+        let (o, lse) = forward_on::<I>(
+            q.into_primitive().tensor(),
+            k.into_primitive().tensor(),
+            v.into_primitive().tensor(),
+            s,
+        );
+        (
+            Tensor::from_primitive(TensorPrimitive::Float(o)),
+            Some(Tensor::from_primitive(TensorPrimitive::Float(lse))),
+        )
+    }
+
+    fn backward(
+        &self,
+        q: Tensor<I, 4>,
+        k: Tensor<I, 4>,
+        v: Tensor<I, 4>,
+        o: Tensor<I, 4>,
+        stats: Option<Tensor<I, 3>>,
+        d_o: Tensor<I, 4>,
+    ) -> [Tensor<I, 4>; 3] {
+        let s = scale(q.dims()[3]);
+        let lse = stats.expect("the flash forward keeps the log-sum-exp");
+        let grads = backward_on::<I>(
+            q.into_primitive().tensor(),
+            k.into_primitive().tensor(),
+            v.into_primitive().tensor(),
+            o.into_primitive().tensor(),
+            lse.into_primitive().tensor(),
+            d_o.into_primitive().tensor(),
+            s,
+        );
+        let [dq, dk, dv]: [I::FloatTensorPrimitive; 3] = grads
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("three outputs declared"));
+        [dq, dk, dv].map(|g| Tensor::from_primitive(TensorPrimitive::Float(g)))
+    }
+}
+
 impl<I: CubeInner> Backward<I, 3> for FlashAttentionBackward {
     type State = (
         I::FloatTensorPrimitive,
@@ -104,22 +183,10 @@ impl<I: CubeInner> Backward<I, 3> for FlashAttentionBackward {
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        use burn::tensor::TensorMetadata;
         let [node_q, node_k, node_v] = ops.parents;
         let d_o = grads.consume::<I>(&ops.node);
         let (q, k, v, o, lse, scale) = ops.state;
-        let outputs = vec![
-            (q.shape(), q.dtype()),
-            (k.shape(), k.dtype()),
-            (v.shape(), v.dtype()),
-        ];
-        let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
-            let [q, k, v, o, lse, d_o]: [Cube; 6] = inputs.try_into().expect("six inputs");
-            let (dq, dk, dv) = flash_backward(q, k, v, o, lse, d_o, scale);
-            vec![dq, dk, dv]
-        });
-        let args = [q, k, v, o, lse, d_o].into_iter().map(Arg::Float).collect();
-        let grads_qkv = I::run("smp_burn.flash_backward", args, outputs, f);
+        let grads_qkv = backward_on::<I>(q, k, v, o, lse, d_o, scale);
         for (node, grad) in [node_q, node_k, node_v].into_iter().zip(grads_qkv) {
             if let Some(node) = node {
                 grads.register::<I>(node.id, grad);

@@ -43,6 +43,15 @@ pub(crate) fn causal_attention<B: Backend>(
     None
 }
 
+pub(crate) fn causal_attention_in_documents<B: Backend>(
+    _: &Tensor<B, 4>,
+    _: &Tensor<B, 4>,
+    _: &Tensor<B, 4>,
+    _: &crate::documents::Documents,
+) -> Option<Tensor<B, 4>> {
+    None
+}
+
 #[allow(clippy::type_complexity)]
 pub(crate) fn linear_grads<B: Backend>(
     _: &Tensor<B, 2>,

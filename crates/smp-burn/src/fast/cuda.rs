@@ -218,6 +218,55 @@ pub(crate) fn causal_attention<B: Backend>(
     Some(o)
 }
 
+/// Causal attention inside packed documents as one op of the CUDA autodiff backends
+/// ([`crate::packed_attention`]): each document through the flash kernels where they take the
+/// inputs, else through the reference arithmetic; `None` for other backends (the caller cuts the
+/// rows with Burn's ops).
+pub(crate) fn causal_attention_in_documents<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    documents: &crate::documents::Documents,
+) -> Option<Tensor<B, 4>> {
+    use crate::packed_attention::{ReferenceKernel, attention_in_documents};
+    let flash = fast_paths().attention
+        && q.dtype() == k.dtype()
+        && k.dtype() == v.dtype()
+        && k.dims() == v.dims()
+        && attention::supports(&q.dims(), &k.dims(), q.dtype())
+        && attention::device_supports(
+            &same::<B::Device, burn_cuda::CudaDevice>(q.device()),
+            q.dtype(),
+        );
+    let (q, k, v) = (q.clone(), k.clone(), v.clone());
+    macro_rules! on {
+        ($inner:ty) => {
+            if flash {
+                same(attention_in_documents::<$inner, _>(
+                    attention::FlashDocuments,
+                    same(q),
+                    same(k),
+                    same(v),
+                    documents,
+                ))
+            } else {
+                same(attention_in_documents::<$inner, _>(
+                    ReferenceKernel,
+                    same(q),
+                    same(k),
+                    same(v),
+                    documents,
+                ))
+            }
+        };
+    }
+    match served::<B>()? {
+        Served::CubeAutodiff => Some(on!(CudaCube)),
+        Served::FusedAutodiff => Some(on!(FusedCuda)),
+        Served::Cube | Served::Fused => None,
+    }
+}
+
 /// The input gradients of a linear layer (`dx = dy w`, `dw = dy^T x`, as requested) through
 /// cuBLAS in one ordered batch when `B` is the plain CUDA backend (the chunked loss's backward
 /// runs on the inner backend); `None` means "use Burn's matmul".
