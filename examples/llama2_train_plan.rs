@@ -35,6 +35,11 @@ pub struct PlanArgs {
     /// Tokens per optimizer step over the whole cluster (4M by default, as SMP's benchmarks).
     #[arg(long, default_value_t = 4 << 20)]
     global_batch_tokens: usize,
+    /// Share of whole rows' causal attention that runs, for rows packed with documents under
+    /// `--document-masking` (the trainer logs it: "attention does N % of the unmasked rows'
+    /// work"); 1 for one sequence per row.
+    #[arg(long, default_value_t = 1.0)]
+    attention_share: f64,
     /// Cluster preset: p4d (8 A100-40GB, 400 Gb/s EFA), p5 (8 H100, 3,200 Gb/s EFA), h200
     /// (8 H200, 8 x 400 Gb/s); with --scaling a comma-separated list.
     #[arg(long, default_value = "h200")]
@@ -257,12 +262,19 @@ pub fn run(args: &PlanArgs) -> Result<(), DynError> {
             None => (model.to_string(), LlamaConfig::preset(model)?),
         };
         model.validate()?;
+        if !(args.attention_share > 0.0 && args.attention_share <= 1.0) {
+            return Err(format!(
+                "--attention-share {} is not a share of the rows' attention: it must be in \
+                 (0, 1]",
+                args.attention_share
+            )
+            .into());
+        }
         Ok((
             name,
             Workload {
-                model,
-                seq_len: args.seq_len,
-                global_batch_tokens: args.global_batch_tokens,
+                attention_share: args.attention_share,
+                ..Workload::new(model, args.seq_len, args.global_batch_tokens)
             },
         ))
     };
@@ -277,8 +289,16 @@ pub fn run(args: &PlanArgs) -> Result<(), DynError> {
         let cal = calibration_for(args, &workload.model, &c.gpu)?;
         let ranked = restrict(args, &workload, &c, &cal, plan::search(&workload, &c, &cal));
         println!(
-            "{name}, S={}, {} tokens per step on {} x {} {} ({}); compute rates from {}\n",
+            "{name}, S={}{}, {} tokens per step on {} x {} {} ({}); compute rates from {}\n",
             args.seq_len,
+            if args.attention_share < 1.0 {
+                format!(
+                    " (packed documents: {:.0} % of the rows' attention)",
+                    args.attention_share * 100.0
+                )
+            } else {
+                String::new()
+            },
             args.global_batch_tokens,
             c.nodes,
             c.gpus_per_node,
@@ -584,11 +604,20 @@ pub fn auto_layout(
         ..Cluster::preset("h200", 1)?
     };
     let cluster = Cluster { gpu, ..cluster };
-    let workload = Workload {
-        model: llama::train::model_config(&config, 1)?,
-        seq_len: config.seq_len,
-        global_batch_tokens: config.global_batch_tokens,
-    };
+    // Packed documents' attention share is known only once the data is read, after the layout
+    // is chosen: the plan counts whole rows' attention, which overstates a masked step's time.
+    if config.document_masking {
+        tracing::info!(
+            "--auto with --document-masking: the plan prices attention over whole rows; the \
+             masked step does less (see the logged share; `llama2_train plan --attention-share` \
+             prices it)"
+        );
+    }
+    let workload = Workload::new(
+        llama::train::model_config(&config, 1)?,
+        config.seq_len,
+        config.global_batch_tokens,
+    );
     let calibration = Calibration::nearest(&Calibration::h200(), &workload.model, &cluster.gpu)?;
     let explicit = |key: &str| resolved.is_explicit(key);
     let p = &config.parallel;

@@ -41,6 +41,31 @@ pub struct Workload {
     pub seq_len: usize,
     /// Tokens of one optimizer step over all ranks.
     pub global_batch_tokens: usize,
+    /// The share of whole rows' causal attention that runs: 1 for one sequence per row, less
+    /// for rows packed with documents under document masking (each document attends only to
+    /// itself; `Documents::attention_share`, which the trainer logs). Prices attention at the
+    /// rate of sequences of `attention_share * seq_len` tokens, the length of equal documents
+    /// with that share.
+    pub attention_share: f64,
+}
+
+impl Workload {
+    /// One sequence per row: attention over whole rows.
+    pub fn new(model: LlamaConfig, seq_len: usize, global_batch_tokens: usize) -> Self {
+        Self {
+            model,
+            seq_len,
+            global_batch_tokens,
+            attention_share: 1.0,
+        }
+    }
+
+    /// Tokens per document whose attention rate prices this workload's attention (the whole
+    /// sequence when nothing is packed).
+    fn attention_seq_len(&self) -> usize {
+        let share = self.attention_share.clamp(0.0, 1.0);
+        ((self.seq_len as f64 * share).round() as usize).clamp(1, self.seq_len.max(1))
+    }
 }
 
 /// One way to lay the workload out.
@@ -688,7 +713,15 @@ pub fn predict(
 
     // Compute of one micro-batch, unit by unit (the stem's embedding lookup is free).
     let head = calibration.seconds(head_work(m, tokens, tp), w.seq_len);
-    let layer_seconds = |work| calibration.seconds_at(work, w.seq_len, linear_speedup);
+    let attention_len = w.attention_seq_len();
+    let share = w.attention_share.clamp(0.0, 1.0);
+    let layer_seconds = |work: Work| {
+        let work = Work {
+            attention_flops: work.attention_flops * share,
+            ..work
+        };
+        calibration.seconds_at(work, attention_len, linear_speedup)
+    };
     let forward_work = Work::layer_forward(m, w.seq_len, tokens, tp);
     let forward = layer_seconds(forward_work);
     let backward = layer_seconds(Work::layer_backward(m, w.seq_len, tokens, tp));
@@ -1159,6 +1192,7 @@ mod tests {
             model: LlamaConfig::preset("7b").unwrap(),
             seq_len: 4096,
             global_batch_tokens: 4096,
+            attention_share: 1.0,
         };
         let c = Cluster {
             gpus_per_node: 1,
@@ -1186,6 +1220,7 @@ mod tests {
                 model: LlamaConfig::preset(model).unwrap(),
                 seq_len: 4096,
                 global_batch_tokens: 4096 * cluster.world(),
+                attention_share: 1.0,
             };
             let cal = Calibration::nearest(&Calibration::h200(), &w.model, &cluster.gpu).unwrap();
             search(&w, &cluster, &cal)
@@ -1209,8 +1244,51 @@ mod tests {
             model: LlamaConfig::preset("1b").unwrap(),
             seq_len: 4096,
             global_batch_tokens: 4096,
+            attention_share: 1.0,
         };
         assert!(search(&w, &one_h200(), &cal).iter().all(|p| !p.layout.fp8));
+    }
+
+    /// Packed documents: attention's work shrinks to the share the documents leave and is
+    /// priced at the rate of documents that long; everything else is the whole rows'.
+    #[test]
+    fn packed_documents_price_their_share_of_attention() {
+        let one_h200 = Cluster {
+            gpus_per_node: 1,
+            ..Cluster::preset("h200", 1).unwrap()
+        };
+        let whole = Workload::new(LlamaConfig::preset("7b").unwrap(), 32768, 32768);
+        let packed = Workload {
+            attention_share: 0.25,
+            ..whole.clone()
+        };
+        let cal = Calibration::nearest(&Calibration::h200(), &whole.model, &one_h200.gpu).unwrap();
+        let layout = Layout {
+            tp: 1,
+            sdp: 1,
+            micro_batch: 1,
+            recomputed_layers: 32,
+            offload: false,
+            selective: true,
+            fp8: false,
+            reduce_every_micro_batch: false,
+        };
+        let (a, b) = (
+            predict(&whole, &one_h200, &cal, layout).unwrap(),
+            predict(&packed, &one_h200, &cal, layout).unwrap(),
+        );
+        // A layer's forward attention, 2 S^2 h FLOPs, runs once forward and 2.5 times in the
+        // backward (selective recomputation skips it).
+        let f = 2.0 * 32768f64 * 32768.0 * 4096.0 * 3.5 * 32.0;
+        let saved = f / cal.attention_flops(32768) - 0.25 * f / cal.attention_flops(8192);
+        assert!(
+            ((a.compute_s - b.compute_s) / saved - 1.0).abs() < 1e-9,
+            "{} - {} against {saved}",
+            a.compute_s,
+            b.compute_s
+        );
+        assert_eq!(a.memory_bytes, b.memory_bytes);
+        assert_eq!(a.exposed_comm_s, b.exposed_comm_s);
     }
 
     /// Selective recomputation, against the one-H200 measurement of Llama 2 7B at S=32,768
@@ -1228,6 +1306,7 @@ mod tests {
             model: LlamaConfig::preset("7b").unwrap(),
             seq_len,
             global_batch_tokens: seq_len,
+            attention_share: 1.0,
         };
         let w = workload(32768);
         let cal = Calibration::nearest(&Calibration::h200(), &w.model, &one_h200.gpu).unwrap();
@@ -1274,6 +1353,7 @@ mod tests {
             model: LlamaConfig::preset("70b").unwrap(),
             seq_len: 4096,
             global_batch_tokens: 4 << 20,
+            attention_share: 1.0,
         };
         let c = Cluster::preset("p4d", 128).unwrap();
         let cal = Calibration::nearest(&Calibration::h200(), &w.model, &c.gpu).unwrap();
