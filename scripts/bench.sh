@@ -36,6 +36,10 @@
 #   gpt      gpt_train (86M GPT-2) on CudaCube and on burn::backend::Cuda (fusion)   ~1 min
 #   coll     collective_bench beside scripts/torch_coll.py on every visible GPU
 #            (2 or more; not in the default list)                                   ~2 min
+#   packed   llama2_train --model 7b at S=32,768, all 32 layers recomputed
+#            selectively, on the corpus cut into documents of about 256-16k tokens,
+#            with --document-masking and without (the same rows causal); steps 2-4
+#            (not in the default list)                                              ~8 min
 # The default items: about 8-9 minutes in all (an estimate from the runs they replace, not yet
 # timed end to end; logs/runs.tsv records each run's time).
 # --base repeats the smp-burn runs (all items but torch). To stay within a time limit, split
@@ -53,7 +57,7 @@ set -uo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
-ALL_ITEMS=(check kernels gemm 1b 7b torch gpt coll)
+ALL_ITEMS=(check kernels gemm 1b 7b torch gpt coll packed)
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
@@ -178,7 +182,8 @@ have_torch() {
 table() {
   ((DRY)) && return 0
   python3 "$HERE/bench_table.py" "$LOGS" --window "1b=$FIRST_1B:$LAST_1B" \
-    --window "7b=$FIRST_7B:$LAST_7B" --out "$OUT/bench.md" > /dev/null ||
+    --window "7b=$FIRST_7B:$LAST_7B" --window "7b32k-rows=2:4" --window "7b32k-docs=2:4" \
+    --out "$OUT/bench.md" > /dev/null ||
     echo "    bench_table.py failed; the logs are in $LOGS"
 }
 
@@ -329,6 +334,46 @@ item_coll() {
     python3 -m torch.distributed.run --nproc-per-node "$n" "$HERE/torch_coll.py"
 }
 
+# The corpus as JSONL documents of log-uniform length, 800 to 50,000 characters (about 256 to
+# 16k tokens of the 2,048-token BPE), in order, with a fixed seed: about 12 documents per
+# 32,768-token row.
+make_documents() {
+  ((DRY)) && return 0
+  [[ -s $WORK/documents.jsonl ]] && return 0
+  python3 - "$WORK/shakespeare.txt" "$WORK/documents.jsonl" << 'PY'
+import json, math, random, sys
+text = open(sys.argv[1]).read()
+rng = random.Random(0)
+with open(sys.argv[2], "w") as out:
+    pos = 0
+    while pos < len(text):
+        n = int(math.exp(rng.uniform(math.log(800), math.log(50000))))
+        out.write(json.dumps({"text": text[pos:pos + n]}) + "\n")
+        pos += n
+PY
+}
+
+item_packed() {
+  local b mode dir masking
+  make_documents
+  for b in "${BUILDS[@]}"; do
+    has "$b" llama2_train || continue
+    for mode in rows docs; do
+      masking=()
+      [[ $mode == docs ]] && masking=(--document-masking)
+      dir=$WORK/run-7b32k-$mode-$b
+      rm -rf "$dir"
+      run "llama-7b32k-$mode-$b" 480 with "$b" "$(bin "$b" llama2_train)" --device cuda \
+        --nproc-per-node 1 --model 7b --steps 4 --eval-interval 0 --no-checkpoint \
+        --export-hf none --sample none --no-progress --tokenizer "$TOKENIZER" \
+        --data "$WORK/documents.jsonl" --seq-len 32768 --micro-batch 1 \
+        --global-batch-tokens 32768 --selective-recompute --checkpointed-layers 32 \
+        "${masking[@]}" --out-dir "$dir"
+      ((DRY)) || cp "$dir/metrics.jsonl" "$LOGS/llama-7b32k-$mode-$b.metrics.jsonl" 2>/dev/null
+    done
+  done
+}
+
 # The single-GPU runs see one GPU; `coll` sees every GPU that was visible to begin with.
 ALL_GPUS=${CUDA_VISIBLE_DEVICES:-}
 if [[ -z $ALL_GPUS ]] && ((!DRY)) && command -v nvidia-smi > /dev/null; then
@@ -360,6 +405,7 @@ for item in "${ALL_ITEMS[@]}"; do
     torch) wants 1b || wants 7b || { torch_llama 1b; torch_llama 7b; } ;;
     gpt) item_gpt ;;
     coll) item_coll ;;
+    packed) item_packed ;;
   esac
   table
 done

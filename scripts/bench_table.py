@@ -4,7 +4,8 @@ ready to paste into docs/benchmarks.md.
 Usage: python3 scripts/bench_table.py LOGS_DIR [--window 1b=4:11] [--window 7b=3:9] [--out FILE]
 
 LOGS_DIR holds the files bench.sh writes, named by what ran (BUILD is `new` or `base`):
-  llama-MODEL-BUILD.log / .metrics.jsonl   llama2_train's log and its metrics.jsonl
+  llama-MODEL-BUILD.log / .metrics.jsonl   llama2_train's log and its metrics.jsonl (MODEL 1b,
+                                           7b, or 7b32k-rows / 7b32k-docs for packed documents)
   torch-MODEL-eager.log / torch-MODEL-compile.log   scripts/torch_llama.py (last line: JSON)
   attn-BUILD-hdD.log                       `RESULT|bench|label|B<b>|S|fwd_ms|fwd_tflops|bwd_ms|bwd_tflops|...`
   attn-torch.log                           scripts/torch_attn.py (`RESULT|torch|...|B<b>|S|D|...`)
@@ -187,7 +188,7 @@ def main():
                    help="MODEL=FIRST:LAST, the steps whose median counts")
     p.add_argument("--out", help="also write the markdown here")
     a = p.parse_args()
-    windows = {"1b": (4, 11), "7b": (3, 9)}
+    windows = {"1b": (4, 11), "7b": (3, 9), "7b32k-rows": (2, 4), "7b32k-docs": (2, 4)}
     for w in a.window:
         model, span = w.split("=")
         lo, hi = span.split(":")
@@ -272,6 +273,28 @@ def main():
         # The first row says everything about our run, the others only its median.
         for i, (baseline, r) in enumerate(rows or [("", "")]):
             t.row(item, cell(mine, spread=True) if i == 0 else fmt(mine["tps"]), baseline, r)
+
+    t.section("Packed documents (Llama 2 7B, S=32,768, micro-batch 1, all 32 layers recomputed "
+              "selectively; tokens/s)",
+              "The same rows with `--document-masking` (attention inside each document) and "
+              "without (each row one causal sequence); steps 2-4. MFU counts whole rows.")
+    rows_new = llama_run(logs, "7b32k-rows", "new", windows["7b32k-rows"])
+    for mode, label in (("docs", "documents masked"), ("rows", "rows causal")):
+        mine = llama_run(logs, f"7b32k-{mode}", "new", windows[f"7b32k-{mode}"])
+        if not mine:
+            continue
+        ours = (f"{fmt(mine['tps'])} ({fmt(mine['lo'])}-{fmt(mine['hi'])}"
+                + (f", {mine['mem']:.1f} GiB" if mine["mem"] else "") + ")")
+        rows = []
+        if mode == "docs" and rows_new:
+            rows.append((f"{fmt(rows_new['tps'])} (rows causal)", ratio(mine["tps"], rows_new["tps"])))
+        other = llama_run(logs, f"7b32k-{mode}", "base", windows[f"7b32k-{mode}"])
+        if other:
+            rows.append((f"{fmt(other['tps'])}"
+                         + (f", {other['mem']:.1f} GiB" if other["mem"] else "")
+                         + " (base build)", ratio(mine["tps"], other["tps"])))
+        for baseline, r in rows or [("", "")]:
+            t.row(f"7B S=32k, {label}", ours, baseline, r)
 
     t.section("GPT example (86M parameters, S=1024, micro-batch 8; tokens/s)",
               "`gpt_train`'s own figure over its timed steps; baseline the same build on "
