@@ -60,11 +60,15 @@ impl Workload {
         }
     }
 
+    /// [`Self::attention_share`] within its bounds.
+    fn share(&self) -> f64 {
+        self.attention_share.clamp(0.0, 1.0)
+    }
+
     /// Tokens per document whose attention rate prices this workload's attention (the whole
     /// sequence when nothing is packed).
     fn attention_seq_len(&self) -> usize {
-        let share = self.attention_share.clamp(0.0, 1.0);
-        ((self.seq_len as f64 * share).round() as usize).clamp(1, self.seq_len.max(1))
+        ((self.seq_len as f64 * self.share()).round() as usize).clamp(1, self.seq_len.max(1))
     }
 }
 
@@ -714,10 +718,9 @@ pub fn predict(
     // Compute of one micro-batch, unit by unit (the stem's embedding lookup is free).
     let head = calibration.seconds(head_work(m, tokens, tp), w.seq_len);
     let attention_len = w.attention_seq_len();
-    let share = w.attention_share.clamp(0.0, 1.0);
     let layer_seconds = |work: Work| {
         let work = Work {
-            attention_flops: work.attention_flops * share,
+            attention_flops: work.attention_flops * w.share(),
             ..work
         };
         calibration.seconds_at(work, attention_len, linear_speedup)

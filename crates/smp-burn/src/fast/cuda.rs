@@ -166,6 +166,24 @@ fn note_fp8_fallback<B: Backend, const D: usize>(x: &Tensor<B, D>, w: &Tensor<B,
     }
 }
 
+/// Whether the attention fast path is on and the flash kernels take these dtypes and shapes.
+fn flash_takes_shapes<B: Backend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>, v: &Tensor<B, 4>) -> bool {
+    fast_paths().attention
+        && q.dtype() == k.dtype()
+        && k.dtype() == v.dtype()
+        && k.dims() == v.dims()
+        && attention::supports(&q.dims(), &k.dims(), q.dtype())
+}
+
+/// Whether `q`'s GPU runs the flash kernels: GPUs before sm_80 (no `mma.sync` m16n8k16) take
+/// the reference. `B` must be a served CUDA backend.
+fn flash_runs_on_device<B: Backend>(q: &Tensor<B, 4>) -> bool {
+    attention::device_supports(
+        &same::<B::Device, burn_cuda::CudaDevice>(q.device()),
+        q.dtype(),
+    )
+}
+
 /// Causal grouped-query attention through the flash kernels when `B` is the CUDA backend and
 /// the shapes, dtypes and device allow; `None` means "use the reference".
 pub(crate) fn causal_attention<B: Backend>(
@@ -173,23 +191,14 @@ pub(crate) fn causal_attention<B: Backend>(
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
 ) -> Option<Tensor<B, 4>> {
-    if !fast_paths().attention
-        || q.dtype() != k.dtype()
-        || k.dtype() != v.dtype()
-        || k.dims() != v.dims()
-        || !attention::supports(&q.dims(), &k.dims(), q.dtype())
-    {
+    if !flash_takes_shapes(q, k, v) {
         return None;
     }
     let Some(backend) = served::<B>() else {
         note_unserved::<B>();
         return None;
     };
-    // GPUs before sm_80 (no `mma.sync` m16n8k16) take the reference.
-    if !attention::device_supports(
-        &same::<B::Device, burn_cuda::CudaDevice>(q.device()),
-        q.dtype(),
-    ) {
+    if !flash_runs_on_device(q) {
         return None;
     }
     let (q, k, v) = (q.clone(), k.clone(), v.clone());
@@ -228,41 +237,27 @@ pub(crate) fn causal_attention_in_documents<B: Backend>(
     v: &Tensor<B, 4>,
     documents: &crate::documents::Documents,
 ) -> Option<Tensor<B, 4>> {
-    use crate::packed_attention::{ReferenceKernel, attention_in_documents};
-    let flash = fast_paths().attention
-        && q.dtype() == k.dtype()
-        && k.dtype() == v.dtype()
-        && k.dims() == v.dims()
-        && attention::supports(&q.dims(), &k.dims(), q.dtype())
-        && attention::device_supports(
-            &same::<B::Device, burn_cuda::CudaDevice>(q.device()),
-            q.dtype(),
-        );
-    let (q, k, v) = (q.clone(), k.clone(), v.clone());
-    macro_rules! on {
-        ($inner:ty) => {
-            if flash {
-                same(attention_in_documents::<$inner, _>(
-                    attention::FlashDocuments,
-                    same(q),
-                    same(k),
-                    same(v),
-                    documents,
-                ))
-            } else {
-                same(attention_in_documents::<$inner, _>(
-                    ReferenceKernel,
-                    same(q),
-                    same(k),
-                    same(v),
-                    documents,
-                ))
-            }
-        };
+    /// The op on `Autodiff<I>`, each document through the flash kernels or the reference.
+    fn on<B: Backend, I: crate::cuda::bridge::CubeInner>(
+        flash: bool,
+        q: &Tensor<B, 4>,
+        k: &Tensor<B, 4>,
+        v: &Tensor<B, 4>,
+        documents: &crate::documents::Documents,
+    ) -> Tensor<B, 4> {
+        use crate::packed_attention::{ReferenceKernel, attention_in_documents};
+        let (q, k, v) = (same(q.clone()), same(k.clone()), same(v.clone()));
+        same(if flash {
+            attention_in_documents::<I, _>(attention::FlashDocuments, q, k, v, documents)
+        } else {
+            attention_in_documents::<I, _>(ReferenceKernel, q, k, v, documents)
+        })
     }
-    match served::<B>()? {
-        Served::CubeAutodiff => Some(on!(CudaCube)),
-        Served::FusedAutodiff => Some(on!(FusedCuda)),
+    let backend = served::<B>()?;
+    let flash = || flash_takes_shapes(q, k, v) && flash_runs_on_device(q);
+    match backend {
+        Served::CubeAutodiff => Some(on::<B, CudaCube>(flash(), q, k, v, documents)),
+        Served::FusedAutodiff => Some(on::<B, FusedCuda>(flash(), q, k, v, documents)),
         Served::Cube | Served::Fused => None,
     }
 }
