@@ -7,6 +7,8 @@
 //! Burn's ops), with the time of each.
 //! `kernel_bench embed`: only the embedding-gradient part of `check` (one kernel against Burn's
 //! `select_assign`), with the time of each.
+//! `kernel_bench init`: only the seeded-initialization part of `check` (the GPU's draw against
+//! the host's, value by value), with the time of each.
 //! `kernel_bench adamw`: the fused AdamW and gradient-norm (weighted sum of squares) checks, then
 //! their bandwidth against the Burn-ops versions.
 //! `kernel_bench offload`: activation offloading (`smp_burn::offload`): the values must come back
@@ -780,6 +782,59 @@ fn offload() -> bool {
     ok
 }
 
+/// Seeded initialization drawn on the GPU (`smp_burn::cuda::init`) against the host's draw
+/// (`smp_burn::init::normal_values`), value by value: one element, a slice past 2^32 (the
+/// 64-bit counter), 3M values at an odd start; then both draws' time for 100M values (half a
+/// Llama 2 7B layer).
+fn check_init() -> bool {
+    let dev = device();
+    let mut ok = true;
+    let key = smp_burn::init::normal_key(1234, "model.layers.0.mlp.up_proj.weight");
+    let draw = |std: f32, start: usize, len: usize| {
+        let t = smp_burn::cuda::init::normal(&dev, key, std, start, len);
+        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t))
+    };
+    for (start, len, std) in [
+        (0usize, 1usize, 0.02f32),
+        (0, 4097, 0.02),
+        (12_345, 3_000_001, 1.0),
+        ((1usize << 32) + 7, 100_000, 0.02),
+    ] {
+        let gpu = host(draw(std, start, len));
+        let cpu = smp_burn::init::normal_values(key, std, start..start + len);
+        let worst = gpu
+            .iter()
+            .zip(&cpu)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        // `log`, `sqrt` and `cos` of CUDA and of the host's libm differ in the last bit or two:
+        // a few 1e-7 of a value of at most 5.6 standard deviations.
+        let tol = 4e-6 * std;
+        let pass = gpu.len() == len && worst <= tol;
+        ok &= pass;
+        println!(
+            "init normal(std {std}) elements {start}..{}: max |gpu - host| {worst:.2e} \
+             (tolerance {tol:.0e}) {}",
+            start + len,
+            if pass { "ok" } else { "FAIL" }
+        );
+    }
+    let n = 100_000_000;
+    let gpu_s = time(5, || {
+        let _ = draw(0.02, 0, n);
+    });
+    let t = Instant::now();
+    let _ = smp_burn::init::normal_values(key, 0.02, 0..n);
+    let host_s = t.elapsed().as_secs_f64();
+    println!(
+        "init normal: {n} values in {:.2} ms on the GPU, {:.0} ms on the host's {} threads",
+        gpu_s * 1e3,
+        host_s * 1e3,
+        std::thread::available_parallelism().map_or(1, |p| p.get())
+    );
+    ok
+}
+
 /// Mean seconds per call of `f` over `iters` calls issued back to back and one device sync.
 fn time(iters: usize, f: impl FnMut()) -> f64 {
     time_and_issue(iters, f).0
@@ -1172,8 +1227,9 @@ fn main() {
     } else {
         what
     };
-    const PARTS: [&str; 9] = [
+    const PARTS: [&str; 10] = [
         "check",
+        "init",
         "fp8",
         "xent",
         "embed",
@@ -1202,7 +1258,9 @@ fn main() {
                 ok &= check_pack();
                 ok &= check_xent();
                 ok &= check_embedding();
+                ok &= check_init();
             }
+            "init" => ok &= check_init(),
             "xent" => ok &= check_xent(),
             "embed" => ok &= check_embedding(),
             "adamw" => {

@@ -60,6 +60,7 @@ use collectives::ReduceOp;
 use crate::comm::{PendingCollective, PendingGather, TensorComm};
 use crate::config::ParallelConfig;
 use crate::error::SmpError;
+use crate::init::{InitSlice, normal_values};
 pub use crate::optim::AdamW;
 use crate::optim::{Group, Optimizer, RunRates, RunState, ShardOptimizer};
 
@@ -342,32 +343,40 @@ pub struct ShardedUnit<B: AutodiffBackend, M: Module<B>> {
 
 impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     /// Shards `template` (whose parameters may be lazy and are never materialized here) across
-    /// `ctx.shard`. `init(param, range)` returns the values of elements `range` of a parameter,
-    /// so each rank creates only its own chunk.
-    pub fn new(
+    /// `ctx.shard`. `init(param, range)` returns the values of elements `range` of a parameter
+    /// (a `Vec<f32>`, or an [`InitSlice`] describing a seeded normal draw, which a GPU draws
+    /// itself), so each rank creates only its own chunk.
+    pub fn new<V>(
         name: impl Into<String>,
         template: M,
         ctx: &FsdpContext<B::InnerBackend>,
         device: &B::Device,
-        init: impl Fn(&FlatParam, Range<usize>) -> Vec<f32>,
-    ) -> Result<Self, SmpError> {
+        init: impl Fn(&FlatParam, Range<usize>) -> V,
+    ) -> Result<Self, SmpError>
+    where
+        V: Into<InitSlice>,
+    {
         Self::new_excluding(name, template, ctx, device, HashSet::new(), init)
     }
 
     /// [`Self::new`] leaving out the parameters in `external`, which another unit holds (tied
     /// parameters): [`Self::assemble_with`] supplies them.
-    pub fn new_excluding(
+    pub fn new_excluding<V>(
         name: impl Into<String>,
         template: M,
         ctx: &FsdpContext<B::InnerBackend>,
         device: &B::Device,
         external: HashSet<ParamId>,
-        init: impl Fn(&FlatParam, Range<usize>) -> Vec<f32>,
-    ) -> Result<Self, SmpError> {
+        init: impl Fn(&FlatParam, Range<usize>) -> V,
+    ) -> Result<Self, SmpError>
+    where
+        V: Into<InitSlice>,
+    {
         let degree = ctx.shard.world_size();
         let rank = ctx.shard.rank();
         let layout = FlatLayout::of_excluding::<B, M>(&template, degree, &external);
         let range = layout.shard_range(rank, degree);
+        let init = |p: &FlatParam, r: Range<usize>| init(p, r).into();
         let master = upload_shard::<B::InnerBackend>(&layout, range, &init, device)?;
         let zeros = master.zeros_like();
         let default_decay = AdamW::default().weight_decay;
@@ -987,6 +996,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         init: impl Fn(&FlatParam, Range<usize>) -> Vec<f32>,
     ) -> Result<(), SmpError> {
         let range = self.layout.shard_range(self.rank, self.degree);
+        let init = |p: &FlatParam, r: Range<usize>| InitSlice::Values(init(p, r));
         let t = upload_shard::<B::InnerBackend>(&self.layout, range, &init, &self.master.device())?;
         match kind {
             StateKind::Weights => {
@@ -1182,11 +1192,21 @@ fn build_shard<IB: Backend>(
 fn upload_shard<IB: Backend>(
     layout: &FlatLayout,
     range: Range<usize>,
-    init: &dyn Fn(&FlatParam, Range<usize>) -> Vec<f32>,
+    init: &dyn Fn(&FlatParam, Range<usize>) -> InitSlice,
     device: &IB::Device,
 ) -> Result<Tensor<IB, 1>, SmpError> {
     build_shard::<IB>(layout, range, device, &|p, r| {
-        let part = init(p, r.clone());
+        let part = match init(p, r.clone()) {
+            InitSlice::Values(part) => part,
+            InitSlice::Normal { key, std, start } => {
+                let drawn = start..start + r.len();
+                if let Some(t) = crate::fast::normal_init::<IB>(key, std, drawn.clone(), device) {
+                    check_device_draw(&t, key, std, &drawn, &p.name)?;
+                    return Ok(t);
+                }
+                normal_values(key, std, drawn)
+            }
+        };
         if part.len() != r.len() {
             return Err(SmpError::Config(format!(
                 "initializer returned {} values for elements {}..{} of {}",
@@ -1200,6 +1220,52 @@ fn upload_shard<IB: Backend>(
         // `TensorData::new` takes the vector as it is; `from_floats(&[..])` would copy it.
         Ok(Tensor::from_data(TensorData::new(part, [n]), device))
     })
+}
+
+/// Compares the first device-drawn slice of this process with the host's draw of its first
+/// elements, once: a GPU whose `log` or `cos` were off, or a miscompiled kernel, would otherwise
+/// start every run from wrong weights without a word. The two differ by the last bits of `log`
+/// and `cos` (a few 1e-7 of the value); a tenth of a percent of `std` is a wrong draw.
+fn check_device_draw<IB: Backend>(
+    drawn: &Tensor<IB, 1>,
+    key: u64,
+    std: f32,
+    range: &Range<usize>,
+    name: &str,
+) -> Result<(), SmpError> {
+    static CHECKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if CHECKED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return Ok(());
+    }
+    let n = range.len().min(4096);
+    let gpu: Vec<f32> = drawn
+        .clone()
+        .narrow(0, 0, n)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| SmpError::Config(format!("reading the GPU's initial values: {e:?}")))?;
+    let host = normal_values(key, std, range.start..range.start + n);
+    let worst = gpu
+        .iter()
+        .zip(&host)
+        .enumerate()
+        .max_by(|a, b| (a.1.0 - a.1.1).abs().total_cmp(&(b.1.0 - b.1.1).abs()));
+    // A NaN difference is a wrong draw too.
+    if let Some((i, (g, h))) = worst
+        && ((g - h).abs().is_nan() || (g - h).abs() > 1e-3 * std)
+    {
+        return Err(SmpError::Config(format!(
+            "the GPU's seeded initialization disagrees with the host's: element {} of {name} is \
+             {g} on the GPU and {h} on the host (std {std}); draw on the host with the `init` \
+             fast path off (SMP_BURN_KERNELS=fast=... without init)",
+            range.start + i
+        )));
+    }
+    tracing::debug!(
+        "seeded initialization on the GPU matches the host's on the first {n} values of {name}"
+    );
+    Ok(())
 }
 
 /// Which of a unit's sharded tensors to read.

@@ -19,10 +19,20 @@ pub enum InitRule {
     Constant(f32),
 }
 
+/// The constants of SplitMix64, shared with the device kernel ([`crate::cuda::init`]), which
+/// takes them as arguments: CUDA C++ reads an unsuffixed decimal literal above `i64::MAX` as
+/// an error or a signed value, depending on the compiler.
+pub(crate) const SPLITMIX_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+pub(crate) const SPLITMIX_MUL1: u64 = 0xBF58_476D_1CE4_E5B9;
+pub(crate) const SPLITMIX_MUL2: u64 = 0x94D0_49BB_1331_11EB;
+/// An element's counter is its index times this odd constant (a Weyl sequence), so that nearby
+/// indices of nearby keys do not collide.
+pub(crate) const COUNTER_STRIDE: u64 = 0xD1B5_4A32_D192_ED03;
+
 fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z = z.wrapping_add(SPLITMIX_GAMMA);
+    z = (z ^ (z >> 30)).wrapping_mul(SPLITMIX_MUL1);
+    z = (z ^ (z >> 27)).wrapping_mul(SPLITMIX_MUL2);
     z ^ (z >> 31)
 }
 
@@ -38,42 +48,80 @@ fn unit(bits: u64) -> f32 {
     ((bits >> 40) as f32 + 1.0) / (1u64 << 24) as f32
 }
 
+/// The key of parameter `name`'s normal draw under `seed`: [`init_values`] of a
+/// [`InitRule::Normal`] parameter is [`normal_values`] of this key.
+pub fn normal_key(seed: u64, name: &str) -> u64 {
+    splitmix64(seed ^ splitmix64(name_key(name)))
+}
+
+/// Element `i` of the standard normal draw with key `key`: Box-Muller on two independent
+/// draws of the element's own counter.
+fn standard_normal(key: u64, i: u64) -> f32 {
+    let r = splitmix64(key ^ i.wrapping_mul(COUNTER_STRIDE));
+    let u1 = unit(r);
+    let u2 = unit(splitmix64(r));
+    (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+}
+
 /// The values of elements `range` (flat, row-major) of parameter `name` under `rule`.
-///
-/// Large ranges are drawn on all cores: a 1.2B-parameter model takes about a minute on one
-/// core (a logarithm, a square root and a cosine per value), and every rank pays it at start-up.
 pub fn init_values(seed: u64, name: &str, rule: InitRule, range: Range<usize>) -> Vec<f32> {
     match rule {
         InitRule::Constant(c) => vec![c; range.len()],
-        InitRule::Normal { std } => {
-            let base = splitmix64(seed ^ splitmix64(name_key(name)));
-            let draw = |i: usize| {
-                // Box-Muller on two independent draws of this element's own counter.
-                let r = splitmix64(base ^ (i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
-                let u1 = unit(r);
-                let u2 = unit(splitmix64(r));
-                let z = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
-                z * std
-            };
-            const PARALLEL_FROM: usize = 1 << 20;
-            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            if range.len() < PARALLEL_FROM || threads == 1 {
-                return range.map(draw).collect();
-            }
-            let mut out = vec![0.0f32; range.len()];
-            let chunk = range.len().div_ceil(threads);
-            std::thread::scope(|s| {
-                for (c, part) in out.chunks_mut(chunk).enumerate() {
-                    let start = range.start + c * chunk;
-                    s.spawn(move || {
-                        for (j, v) in part.iter_mut().enumerate() {
-                            *v = draw(start + j);
-                        }
-                    });
+        InitRule::Normal { std } => normal_values(normal_key(seed, name), std, range),
+    }
+}
+
+/// Elements `range` of the normal draw with key `key` ([`normal_key`]) and standard deviation
+/// `std`.
+///
+/// Large ranges are drawn on all cores: a 1.2B-parameter model takes about a minute on one
+/// core (a logarithm, a square root and a cosine per value), and every rank pays it at start-up.
+pub fn normal_values(key: u64, std: f32, range: Range<usize>) -> Vec<f32> {
+    let draw = |i: usize| standard_normal(key, i as u64) * std;
+    const PARALLEL_FROM: usize = 1 << 20;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if range.len() < PARALLEL_FROM || threads == 1 {
+        return range.map(draw).collect();
+    }
+    let mut out = vec![0.0f32; range.len()];
+    let chunk = range.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        for (c, part) in out.chunks_mut(chunk).enumerate() {
+            let start = range.start + c * chunk;
+            s.spawn(move || {
+                for (j, v) in part.iter_mut().enumerate() {
+                    *v = draw(start + j);
                 }
             });
-            out
         }
+    });
+    out
+}
+
+/// A parameter slice's initial values as an initializer gives them: drawn (or read) on the
+/// host, or a normal draw described by its key, which a GPU can draw where the values are
+/// needed (Llama 2 7B's 6.7 billion draws take minutes on a host's cores and milliseconds on
+/// the GPU).
+#[derive(Debug, Clone, PartialEq)]
+pub enum InitSlice {
+    /// The values themselves.
+    Values(Vec<f32>),
+    /// [`normal_values`]`(key, std, start..start + n)` for a slice of `n` elements: `start`
+    /// is where the slice begins in the whole parameter (a tensor-parallel rank's slice starts
+    /// past the other ranks').
+    Normal {
+        /// [`normal_key`] of the parameter.
+        key: u64,
+        /// Standard deviation.
+        std: f32,
+        /// Index of the slice's first element in the whole parameter's draw.
+        start: usize,
+    },
+}
+
+impl From<Vec<f32>> for InitSlice {
+    fn from(values: Vec<f32>) -> Self {
+        InitSlice::Values(values)
     }
 }
 

@@ -12,7 +12,8 @@
 //!   [`attention`], [`fp8`] (FP8 linear layers: casts and cuBLASLt GEMMs), [`fused`] (RMSNorm,
 //!   RoPE, SwiGLU), [`xent`] and [`embedding`] (the LM-head
 //!   loss and the embedding gradient), [`flat`] and [`adamw`] (FSDP's flat gradients and the
-//!   optimizer step on shards), and `accumulate` (gradients summed in place).
+//!   optimizer step on shards), `accumulate` (gradients summed in place) and [`init`] (seeded
+//!   initialization drawn on the GPU).
 //!
 //! Nothing here touches CUDA until a caller asks for it: [`cuda_device_count`] returns 0 on a
 //! machine without libcuda, and the rest is only reached with CUDA tensors in hand. Which
@@ -29,6 +30,7 @@ pub mod flat;
 pub mod fp8;
 pub mod fused;
 pub mod gemm;
+pub mod init;
 mod kernel_cache;
 pub mod nccl;
 pub(crate) mod transfer;

@@ -14,7 +14,7 @@ use collectives::CommunicatorExt;
 use super::{BlockUnit, Engine, HeadUnit, ParamInfo, ParamMeta, Sharded, StemUnit, UnitId, Units};
 use crate::error::SmpError;
 use crate::fsdp::{FlatLayout, FlatParam, ShardedUnit};
-use crate::init::{InitRule, init_values};
+use crate::init::{InitRule, InitSlice, init_values, normal_key};
 use crate::mesh::Mesh;
 use crate::optim::{AdamW, Group, Optimizer, ShardOptimizer};
 use crate::tp::Placement;
@@ -518,11 +518,32 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
         let by_path = |meta: &[ParamMeta]| -> HashMap<String, ParamMeta> {
             meta.iter().map(|m| (m.path.clone(), m.clone())).collect()
         };
+        // A seeded normal parameter whose local elements are one run of the full parameter's
+        // (replicated, or split along its first dimension) is described rather than drawn, so
+        // that a GPU draws it where it is stored.
+        let described = |m: &ParamMeta, unit: UnitId, p: &FlatParam, range: &Range<usize>| {
+            let Init::Seeded { seed, rule } = &self.init else {
+                return None;
+            };
+            let InitRule::Normal { std } = rule(&info_of(m, unit, &p.container).view()) else {
+                return None;
+            };
+            let global_start = match m.placement {
+                Placement::Replicated => range.start,
+                Placement::Split { dim: 0 } => tp_rank * p.numel + range.start,
+                Placement::Split { .. } => return None,
+            };
+            Some((normal_key(*seed, &m.name), std, global_start))
+        };
         let init_for = |unit: UnitId, meta: HashMap<String, ParamMeta>| {
             let values_of = &values_of;
-            move |p: &FlatParam, range: Range<usize>| {
+            let described = &described;
+            move |p: &FlatParam, range: Range<usize>| -> InitSlice {
                 let m = &meta[&p.name];
-                values_of(m, unit, p, range)
+                match described(m, unit, p, &range) {
+                    Some((key, std, start)) => InitSlice::Normal { key, std, start },
+                    None => values_of(m, unit, p, range).into(),
+                }
             }
         };
         macro_rules! sharded {

@@ -52,6 +52,15 @@ pub(crate) fn causal_attention_in_documents<B: Backend>(
     None
 }
 
+pub(crate) fn normal_init<B: Backend>(
+    _: u64,
+    _: f32,
+    _: std::ops::Range<usize>,
+    _: &B::Device,
+) -> Option<Tensor<B, 1>> {
+    None
+}
+
 #[allow(clippy::type_complexity)]
 pub(crate) fn linear_grads<B: Backend>(
     _: &Tensor<B, 2>,

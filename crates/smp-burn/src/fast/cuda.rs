@@ -262,6 +262,25 @@ pub(crate) fn causal_attention_in_documents<B: Backend>(
     }
 }
 
+/// Elements `range` of the normal draw with key `key` ([`crate::init::normal_key`]) as an f32
+/// tensor drawn on the GPU when `B` is [`CudaCube`] and the `init` fast path is on; `None`
+/// means "draw on the host" (fusion's stream takes no operation without an input tensor).
+pub(crate) fn normal_init<B: Backend>(
+    key: u64,
+    std: f32,
+    range: std::ops::Range<usize>,
+    device: &B::Device,
+) -> Option<Tensor<B, 1>> {
+    if !fast_paths().init || served::<B>()? != Served::Cube {
+        return None;
+    }
+    let cuda: burn_cuda::CudaDevice = same(device.clone());
+    let t = crate::cuda::init::normal(&cuda, key, std, range.start, range.len());
+    Some(same(Tensor::<CudaCube, 1>::from_primitive(
+        TensorPrimitive::Float(t),
+    )))
+}
+
 /// The input gradients of a linear layer (`dx = dy w`, `dw = dy^T x`, as requested) through
 /// cuBLAS in one ordered batch when `B` is the plain CUDA backend (the chunked loss's backward
 /// runs on the inner backend); `None` means "use Burn's matmul".
