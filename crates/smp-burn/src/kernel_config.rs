@@ -40,11 +40,13 @@ pub enum FlashForward {
     Mma4x2,
     /// Warpgroup MMA (sm_90): two decoupled warpgroups of 64 query rows, 128-key blocks.
     Wgmma,
+    /// [`Self::Wgmma`] with its tiles loaded by the tensor memory accelerator.
+    WgmmaTma,
 }
 
 impl FlashForward {
     /// Every forward kernel, in [`Self::name`] order.
-    pub const ALL: [FlashForward; 3] = [Self::Mma8x2, Self::Mma4x2, Self::Wgmma];
+    pub const ALL: [FlashForward; 4] = [Self::Mma8x2, Self::Mma4x2, Self::Wgmma, Self::WgmmaTma];
 
     /// The name [`Self::parse`] takes.
     pub fn name(self) -> &'static str {
@@ -52,6 +54,7 @@ impl FlashForward {
             Self::Mma8x2 => "mma-8x2",
             Self::Mma4x2 => "mma-4x2",
             Self::Wgmma => "wgmma",
+            Self::WgmmaTma => "wgmma-tma",
         }
     }
 
@@ -79,11 +82,14 @@ pub enum FlashBackward {
     AtomicGrid,
     /// Warpgroup MMA (sm_90): two warpgroups of 64 keys, dQ by bulk reductions.
     Wgmma,
+    /// [`Self::Wgmma`] with K, V, Q and dO loaded by the tensor memory accelerator.
+    WgmmaTma,
 }
 
 impl FlashBackward {
     /// Every backward kernel, in [`Self::name`] order.
-    pub const ALL: [FlashBackward; 4] = [Self::Split, Self::Atomic, Self::AtomicGrid, Self::Wgmma];
+    pub const ALL: [FlashBackward; 5] =
+        [Self::Split, Self::Atomic, Self::AtomicGrid, Self::Wgmma, Self::WgmmaTma];
 
     /// The name [`Self::parse`] takes.
     pub fn name(self) -> &'static str {
@@ -92,6 +98,7 @@ impl FlashBackward {
             Self::Atomic => "atomic",
             Self::AtomicGrid => "atomic-grid",
             Self::Wgmma => "wgmma",
+            Self::WgmmaTma => "wgmma-tma",
         }
     }
 

@@ -20,7 +20,7 @@ use crate::FlashForward;
 use super::Dims;
 use super::fragments::{p_fragment, zero_frags};
 use super::fwd_mma::{fwd_softmax, write_fwd_out};
-use super::tiles::{copy_kv_swizzled, copy_tile_swizzled};
+use super::tiles::{copy_kv_swizzled, copy_tile_swizzled, tma_tile};
 use super::wgmma::{
     SWIZZLE_128B, wgmma_commit_group, wgmma_descriptor, wgmma_descriptor_at, wgmma_fence,
     wgmma_fence_operands, wgmma_rs, wgmma_ss, wgmma_wait_group,
@@ -434,6 +434,155 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     );
 }
 
+/// [`flash_fwd_wgmma`] with its tiles loaded by the tensor memory accelerator: one thread
+/// issues each tile as bulk tensor copies (two per 128-column tile) that complete on the
+/// buffer's "full" mbarrier by byte count, where `cp.async` had every thread copy 32
+/// 16-byte chunks per key block, with their address arithmetic, between its MMAs and its
+/// softmax. Rows past the sequence arrive as zeros, as the copies' zero fill gave.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_fwd_wgmma_tma<F: Float, N: Size>(
+    q_map: &TensorMap<F, Tiled>,
+    k_map: &TensorMap<F, Tiled>,
+    v_map: &TensorMap<F, Tiled>,
+    o: &mut Tensor<Vector<F, Const<2>>>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    rescale_slack: f32,
+    seq_len: u32,
+    group: u32,
+    n_blocks: u32,
+    #[comptime] d: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let keys = comptime!(WGMMA_KEYS);
+    let bq = comptime!(WGMMA_ROWS);
+    let chunks = comptime!(d / 8);
+    let d_tiles = comptime!(d / 8);
+    let kv_tile = comptime!(keys * d / 8);
+    let q_bytes = comptime!((WGMMA_ROWS * d * 2) as u32);
+    let kv_bytes = comptime!((2 * WGMMA_KEYS * d * 2) as u32);
+
+    let seq = seq_len as usize;
+    let h = CUBE_POS_X as usize;
+    let qb = n_blocks as usize - 1 - CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let hk = h / group as usize;
+    let warp = UNIT_POS as usize / 32;
+    let lane = UNIT_POS_PLANE as usize;
+    let q0 = qb * bq;
+    let row0 = q0 + 16 * warp;
+    let q_wg = (warp / 4) * 512;
+    let leader = UNIT_POS == 0;
+
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
+    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
+    let r_lo = r_lo as usize;
+    let r_hi = r_hi as usize;
+    let c_lo = c_lo as usize;
+
+    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * chunks), 1024usize);
+    let mut ks = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * kv_tile), 1024usize);
+    let mut vs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * kv_tile), 1024usize);
+
+    // "Full" barriers complete on the leader's arrival and the copies' bytes; "empty" ones
+    // when every thread has released the buffer.
+    let q_full = Barrier::shared(1u32, leader);
+    let full0 = Barrier::shared(1u32, leader);
+    let full1 = Barrier::shared(1u32, leader);
+    let empty0 = Barrier::shared(CUBE_DIM, leader);
+    let empty1 = Barrier::shared(CUBE_DIM, leader);
+    // The barriers' initialization must be visible to the copy engine.
+    sync_async_proxy_shared();
+    if leader {
+        tma_tile::<F, N>(q_map, &q_full, &mut qs, 0usize, b, h, q0, bq, d);
+        let _q = q_full.arrive_and_expect_tx(1u32, q_bytes);
+        tma_tile::<F, N>(k_map, &full0, &mut ks, 0usize, b, hk, 0usize, keys, d);
+        tma_tile::<F, N>(v_map, &full0, &mut vs, 0usize, b, hk, 0usize, keys, d);
+        let _kv = full0.arrive_and_expect_tx(1u32, kv_bytes);
+    }
+
+    let mut o_acc = zero_frags(d_tiles);
+    let mut p = Array::<f32>::new(comptime!(keys / 2));
+    let mut m_run = Array::<f32>::new(2usize);
+    let mut l_run = Array::<f32>::new(2usize);
+    #[unroll]
+    for i in 0..2usize {
+        m_run[i] = f32::new(-1.0e30);
+        l_run[i] = f32::new(0.0);
+    }
+
+    let mut q_end = q0 + bq;
+    if seq < q_end {
+        q_end = seq;
+    }
+    let n_kb = (q_end + keys - 1) / keys;
+    q_full.wait_parity(0u32);
+
+    for kb in 0..n_kb {
+        let k0 = kb * keys;
+        let stage = kb % 2;
+        let kv0 = stage * kv_tile;
+        let next = kv_tile - kv0;
+        let phase = ((kb / 2) % 2) as u32;
+        if stage == 0 {
+            full0.wait_parity(phase);
+        } else {
+            full1.wait_parity(phase);
+        }
+        let mut s_acc = wg_scores::<F, N>(&qs, &ks, q_wg, kv0, d, keys);
+        if leader && kb + 1 < n_kb {
+            // The other buffer held block kb - 1: both warpgroups must be done with it.
+            if kb >= 1 {
+                let released = (((kb - 1) / 2) % 2) as u32;
+                if stage == 0 {
+                    empty1.wait_parity(released);
+                } else {
+                    empty0.wait_parity(released);
+                }
+            }
+            if stage == 0 {
+                tma_tile::<F, N>(k_map, &full1, &mut ks, next, b, hk, k0 + keys, keys, d);
+                tma_tile::<F, N>(v_map, &full1, &mut vs, next, b, hk, k0 + keys, keys, d);
+                let _kv = full1.arrive_and_expect_tx(1u32, kv_bytes);
+            } else {
+                tma_tile::<F, N>(k_map, &full0, &mut ks, next, b, hk, k0 + keys, keys, d);
+                tma_tile::<F, N>(v_map, &full0, &mut vs, next, b, hk, k0 + keys, keys, d);
+                let _kv = full0.arrive_and_expect_tx(1u32, kv_bytes);
+            }
+        }
+        wg_finish_block::<F, N>(
+            &mut s_acc,
+            &mut p,
+            &mut m_run,
+            &mut l_run,
+            &mut o_acc,
+            &vs,
+            kv0,
+            k0,
+            row0,
+            r_lo,
+            r_hi,
+            c_lo,
+            scale,
+            rescale_slack,
+            d,
+            keys,
+        );
+        if stage == 0 {
+            let _released = empty0.arrive();
+        } else {
+            let _released = empty1.arrive();
+        }
+    }
+
+    write_fwd_out::<F>(
+        o, lse, &o_acc, &m_run, &mut l_run, b, h, row0, r_lo, r_hi, c_lo, seq, 1usize, d_tiles,
+    );
+}
+
+
 /// Launches [`flash_fwd_wgmma`] into `o` and `lse` (as `fwd_mma::launch`).
 ///
 /// # Panics
@@ -473,6 +622,80 @@ pub(super) fn launch<R: CubeRuntime>(
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),
+            o.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            scale_log2,
+            slack_log2,
+            dims.seq as u32,
+            dims.group() as u32,
+            n_blocks,
+            head_dim,
+            dtype.into(),
+        );
+    }
+}
+
+/// The tiled tensor map [`flash_fwd_wgmma_tma`] reads `t` (`[B, H, S, D]`, any strides with
+/// contiguous rows) through: `[1, 1, rows, 64]` boxes, 128-byte swizzle, zeros past the end.
+pub(super) fn tile_map<R: CubeRuntime>(t: CubeTensor<R>, rows: usize) -> TensorMapArg<R, Tiled> {
+    let dtype: StorageType = t.dtype.into();
+    TensorMapArg::new(
+        TiledArgs {
+            tile_size: vec![1, 1, rows, 64].into(),
+        },
+        t.into_tensor_arg(),
+        dtype,
+    )
+    .with_swizzle(TensorMapSwizzle::B128)
+}
+
+/// Launches [`flash_fwd_wgmma_tma`] into `o` and `lse` (as [`launch`]).
+///
+/// # Panics
+/// As [`launch`], and where a row stride is not a multiple of 16 bytes (the tensor memory
+/// accelerator's rule).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn launch_tma<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    o: &CubeTensor<R>,
+    lse: &CubeTensor<R>,
+    scale_log2: f32,
+    slack_log2: f32,
+    dims: Dims,
+    nv: usize,
+) {
+    let head_dim = dims.head_dim;
+    assert!(
+        nv == 8 && matches!(head_dim, 64 | 128),
+        "flash attention: forward {} loads 64-column boxes of head dim 64 or 128; got vectors \
+         of {nv} elements at head dim {head_dim}",
+        FlashForward::WgmmaTma.name()
+    );
+    for t in [&q, &k, &v] {
+        assert!(
+            t.meta.strides()[..3].iter().all(|s| s * 2 % 16 == 0),
+            "flash attention: forward {} needs strides of whole 16-byte chunks; got {:?}",
+            FlashForward::WgmmaTma.name(),
+            t.meta.strides()
+        );
+    }
+    let client = q.client.clone();
+    let dtype = q.dtype;
+    let n_blocks = dims.seq.div_ceil(WGMMA_ROWS) as u32;
+    let count = CubeCount::Static(dims.heads_q as u32, n_blocks, dims.batch as u32);
+    // SAFETY: the tensor maps bound every copy (zeros past the end); the swizzled tiles are
+    // 1024-byte aligned, as the 128-byte swizzle needs, and each box fills one 64-column block.
+    unsafe {
+        flash_fwd_wgmma_tma::launch_unchecked::<R>(
+            &client,
+            count,
+            CubeDim::new_1d(256),
+            nv,
+            tile_map(q, WGMMA_ROWS),
+            tile_map(k, WGMMA_KEYS),
+            tile_map(v, WGMMA_KEYS),
             o.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             scale_log2,

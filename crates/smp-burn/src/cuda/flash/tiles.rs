@@ -4,7 +4,7 @@
 //! warpgroup MMA reads through descriptors. Rows at or past the sequence end are zero-filled,
 //! so that no product ever multiplies garbage.
 
-use cubecl::prelude::barrier::copy_async;
+use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 
 /// Loads this thread's share of rows `row0 .. row0 + rows` (all `d` columns) of one head into
@@ -236,4 +236,37 @@ pub(super) fn copy_kv_swizzled<F: Float, N: Size>(
 ) {
     copy_tile_swizzled::<F, N>(k, k_base, k_rs, key0, seq, ks, dst0, keys, d, nthreads);
     copy_tile_swizzled::<F, N>(v, v_base, v_rs, key0, seq, vs, dst0, keys, d, nthreads);
+}
+
+/// Rows `row0 .. row0 + rows` of head `h` of batch `b` of the `[B, H, S, D]` tensor behind
+/// `map` (a tiled tensor map of `[1, 1, rows, 64]` boxes with the 128-byte swizzle) into the
+/// tile at chunk `dst0` of `dst`, in the layout of [`sw128_chunk`]: one bulk tensor copy per
+/// 64-column block, completing on `bar` (which must expect `rows * d * 2` bytes). Rows past the
+/// tensor's end arrive as zeros. One thread issues it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn tma_tile<F: Float, N: Size>(
+    map: &TensorMap<F, Tiled>,
+    bar: &Barrier,
+    dst: &mut SharedMemory<Vector<F, N>>,
+    dst0: usize,
+    b: usize,
+    h: usize,
+    row0: usize,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+) {
+    #[unroll]
+    for blk in 0..comptime!(d / 64) {
+        let off = dst0 + blk * comptime!(rows * 8);
+        let mut tile = dst.slice_mut(off, off + comptime!(rows * 8));
+        bar.tma_load_4d::<F, Vector<F, N>>(
+            map,
+            &mut tile,
+            b as i32,
+            h as i32,
+            row0 as i32,
+            (blk * 64) as i32,
+        );
+    }
 }
