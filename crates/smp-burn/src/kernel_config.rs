@@ -40,13 +40,11 @@ pub enum FlashForward {
     Mma4x2,
     /// Warpgroup MMA (sm_90): two decoupled warpgroups of 64 query rows, 128-key blocks.
     Wgmma,
-    /// [`Self::Wgmma`] with its tiles loaded by the tensor memory accelerator.
-    WgmmaTma,
 }
 
 impl FlashForward {
     /// Every forward kernel, in [`Self::name`] order.
-    pub const ALL: [FlashForward; 4] = [Self::Mma8x2, Self::Mma4x2, Self::Wgmma, Self::WgmmaTma];
+    pub const ALL: [FlashForward; 3] = [Self::Mma8x2, Self::Mma4x2, Self::Wgmma];
 
     /// The name [`Self::parse`] takes.
     pub fn name(self) -> &'static str {
@@ -54,7 +52,6 @@ impl FlashForward {
             Self::Mma8x2 => "mma-8x2",
             Self::Mma4x2 => "mma-4x2",
             Self::Wgmma => "wgmma",
-            Self::WgmmaTma => "wgmma-tma",
         }
     }
 
@@ -82,14 +79,11 @@ pub enum FlashBackward {
     AtomicGrid,
     /// Warpgroup MMA (sm_90): two warpgroups of 64 keys, dQ by bulk reductions.
     Wgmma,
-    /// [`Self::Wgmma`] with K, V, Q and dO loaded by the tensor memory accelerator.
-    WgmmaTma,
 }
 
 impl FlashBackward {
     /// Every backward kernel, in [`Self::name`] order.
-    pub const ALL: [FlashBackward; 5] =
-        [Self::Split, Self::Atomic, Self::AtomicGrid, Self::Wgmma, Self::WgmmaTma];
+    pub const ALL: [FlashBackward; 4] = [Self::Split, Self::Atomic, Self::AtomicGrid, Self::Wgmma];
 
     /// The name [`Self::parse`] takes.
     pub fn name(self) -> &'static str {
@@ -98,7 +92,6 @@ impl FlashBackward {
             Self::Atomic => "atomic",
             Self::AtomicGrid => "atomic-grid",
             Self::Wgmma => "wgmma",
-            Self::WgmmaTma => "wgmma-tma",
         }
     }
 

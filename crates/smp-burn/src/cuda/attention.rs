@@ -298,7 +298,7 @@ pub fn attention_summary(head_dim: usize) -> String {
         flash::WGMMA_BUILT && flash::BULK_REDUCE_BUILT && sm90,
     );
     // Hopper's copy engine comes with sm_90, as the pair atomics do.
-    let bulk = matches!(backward, crate::FlashBackward::Wgmma | crate::FlashBackward::WgmmaTma) || (flash::BULK_REDUCE_BUILT && sm90);
+    let bulk = backward == crate::FlashBackward::Wgmma || (flash::BULK_REDUCE_BUILT && sm90);
     let reproducible = if backward.deterministic() {
         "deterministic"
     } else if bulk {

@@ -1,11 +1,12 @@
 //! The warpgroup-MMA forward ([`FlashForward::Wgmma`], sm_90): both products as Hopper's
 //! `wgmma` ([`super::wgmma`]) instead of per-warp `mma.sync`. Two warpgroups of 64 query rows
-//! per cube, 128-key blocks, Q/K/V copied into 128-byte-swizzled shared memory that the
-//! `wgmma`s read through descriptors, and the `mma.sync` forward's softmax ([`fwd_softmax`]) and
-//! output code on accumulators of the same fragment layout. The two warpgroups share the K/V
-//! buffers through per-buffer mbarriers rather than one cube barrier per block, so that they
-//! drift apart and one's softmax overlaps the other's MMAs. On an H200 (causal, head dim 128)
-//! it runs 430-477 TFLOP/s where the `mma.sync` forward [`FlashForward::Mma8x2`] gives 297-361.
+//! per cube, 128-key blocks, Q/K/V loaded by the tensor memory accelerator into
+//! 128-byte-swizzled shared memory that the `wgmma`s read through descriptors, and the
+//! `mma.sync` forward's softmax ([`fwd_softmax`]) and output code on accumulators of the same
+//! fragment layout. The two warpgroups share the K/V buffers through per-buffer mbarriers
+//! rather than one cube barrier per block, so that they drift apart and one's softmax overlaps
+//! the other's MMAs. On an H200 (causal, head dim 128, batch 1) it runs 466-535 TFLOP/s at
+//! S = 4k-32k where the `mma.sync` forward [`FlashForward::Mma8x2`] gives 297-361.
 //!
 //! [`FlashForward::Wgmma`]: crate::FlashForward::Wgmma
 //! [`FlashForward::Mma8x2`]: crate::FlashForward::Mma8x2
@@ -20,7 +21,7 @@ use crate::FlashForward;
 use super::Dims;
 use super::fragments::{p_fragment, zero_frags};
 use super::fwd_mma::{fwd_softmax, write_fwd_out};
-use super::tiles::{copy_kv_swizzled, copy_tile_swizzled, tma_tile};
+use super::tiles::tma_tile;
 use super::wgmma::{
     SWIZZLE_128B, wgmma_commit_group, wgmma_descriptor, wgmma_descriptor_at, wgmma_fence,
     wgmma_fence_operands, wgmma_rs, wgmma_ss, wgmma_wait_group,
@@ -249,199 +250,29 @@ const WGMMA_ROWS: usize = 128;
 
 /// The forward on Hopper's warpgroup MMA. Cube = (query head, query block from the last,
 /// batch), 256 threads = two warpgroups of 64 query rows. Q (once) and each 128-key K/V block
-/// go by 16-byte `cp.async` into 128-byte-swizzled shared memory, double buffered; each
-/// warpgroup issues `S = Q K^T` as `d / 16` `wgmma`s reading both operands from shared memory
-/// ([`wg_scores`]), waits, runs the online softmax of the `mma.sync` forward on its registers
-/// (same fragment layout, [`wg_softmax`]), and issues `O += P V` ([`wg_pv`]). `N` must be 8
-/// (16-byte chunks).
+/// are loaded by the tensor memory accelerator into 128-byte-swizzled shared memory, double
+/// buffered; each warpgroup issues `S = Q K^T` as `d / 16` `wgmma`s reading both operands from
+/// shared memory ([`wg_scores`]), waits, runs the online softmax of the `mma.sync` forward on
+/// its registers (same fragment layout, [`wg_softmax`]), and issues `O += P V` ([`wg_pv`]). `N`
+/// must be 8 (16-byte chunks).
+///
+/// Loads: one thread issues each tile as bulk tensor copies (one per 64-column block) that
+/// complete on the buffer's "full" mbarrier by byte count; rows past the sequence arrive as
+/// zeros. Copying with `cp.async` instead had every thread issue 32 16-byte copies per key
+/// block, with their address arithmetic, between its MMAs and its softmax: the forward ran
+/// 10-20 % slower on an H200 (causal, head dim 128, S = 4k-32k).
 ///
 /// How the two warpgroups share the K/V buffers: a "full" and an "empty" mbarrier per buffer.
-/// Every thread copies its share of block `kb + 1` once block `kb - 1` has been released by
-/// both warpgroups (empty), after issuing its block-`kb` scores; a warpgroup waits only for the
-/// block it needs (full) and releases it after its `P V`. So one warpgroup can run up to about
-/// a block ahead of the other, and its softmax overlaps the other's `wgmma`s (FlashAttention-3's
-/// ping-pong, here left to the warp schedulers). With one cube barrier per block instead, both
-/// warpgroups would run their softmax at the same time while the tensor cores idle.
+/// After issuing its block-`kb` scores, the loading thread waits until both warpgroups have
+/// released block `kb - 1` (empty) and loads block `kb + 1` into its buffer; a warpgroup waits
+/// only for the block it needs (full) and releases it after its `P V`. So one warpgroup can run
+/// up to about a block ahead of the other, and its softmax overlaps the other's `wgmma`s
+/// (FlashAttention-3's ping-pong, here left to the warp schedulers). With one cube barrier per
+/// block instead, both warpgroups would run their softmax at the same time while the tensor
+/// cores idle.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 fn flash_fwd_wgmma<F: Float, N: Size>(
-    q: &Tensor<Vector<F, N>>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    o: &mut Tensor<Vector<F, Const<2>>>,
-    lse: &mut Tensor<f32>,
-    scale: f32,
-    rescale_slack: f32,
-    seq_len: u32,
-    group: u32,
-    n_blocks: u32,
-    #[comptime] d: usize,
-    #[define(F)] _dtype: StorageType,
-) {
-    let keys = comptime!(WGMMA_KEYS);
-    let bq = comptime!(WGMMA_ROWS);
-    let nthreads = comptime!(256usize);
-    let chunks = comptime!(d / 8);
-    let d_tiles = comptime!(d / 8);
-    let kv_tile = comptime!(keys * d / 8);
-
-    let seq = seq_len as usize;
-    let h = CUBE_POS_X as usize;
-    let qb = n_blocks as usize - 1 - CUBE_POS_Y as usize;
-    let b = CUBE_POS_Z as usize;
-    let hk = h / group as usize;
-    let warp = UNIT_POS as usize / 32;
-    let lane = UNIT_POS_PLANE as usize;
-    let q0 = qb * bq;
-    let row0 = q0 + 16 * warp;
-    // This warpgroup's 64 rows of Q: chunk offset of its first 8-row atom.
-    let q_wg = (warp / 4) * 512;
-
-    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let (r_lo, c_lo) = def.position_of_nth(lane as u32, 0u32, cmma::MatrixIdent::Accumulator);
-    let (r_hi, _c_hi) = def.position_of_nth(lane as u32, 2u32, cmma::MatrixIdent::Accumulator);
-    let r_lo = r_lo as usize;
-    let r_hi = r_hi as usize;
-    let c_lo = c_lo as usize;
-
-    let k_base = (b * k.stride(0) + hk * k.stride(1)) / 8;
-    let v_base = (b * v.stride(0) + hk * v.stride(1)) / 8;
-    let k_rs = k.stride(2) / 8;
-    let v_rs = v.stride(2) / 8;
-
-    let mut qs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(bq * chunks), 1024usize);
-    let mut ks = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * kv_tile), 1024usize);
-    let mut vs = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * kv_tile), 1024usize);
-
-    // Buffer i is filled behind `full_i` and released behind `empty_i`, every thread arriving
-    // on each once per use.
-    let full0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let full1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let empty0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let empty1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    copy_tile_swizzled::<F, N>(
-        q,
-        (b * q.stride(0) + h * q.stride(1)) / 8,
-        q.stride(2) / 8,
-        q0,
-        seq,
-        &mut qs,
-        0usize,
-        bq,
-        d,
-        nthreads,
-    );
-    copy_kv_swizzled::<F, N>(
-        k, v, k_base, v_base, k_rs, v_rs, 0usize, seq, &mut ks, &mut vs, 0usize, keys, d, nthreads,
-    );
-    full0.commit_copy_async();
-    let _filled = full0.arrive();
-
-    let mut o_acc = zero_frags(d_tiles);
-    let mut p = Array::<f32>::new(comptime!(keys / 2));
-    let mut m_run = Array::<f32>::new(2usize);
-    let mut l_run = Array::<f32>::new(2usize);
-    #[unroll]
-    for i in 0..2usize {
-        m_run[i] = f32::new(-1.0e30);
-        l_run[i] = f32::new(0.0);
-    }
-
-    let mut q_end = q0 + bq;
-    if seq < q_end {
-        q_end = seq;
-    }
-    // `keys` = `bq` and blocks aligned: every block starts at or before every row of the cube,
-    // so no warpgroup ever skips one.
-    let n_kb = (q_end + keys - 1) / keys;
-
-    for kb in 0..n_kb {
-        let k0 = kb * keys;
-        let stage = kb % 2;
-        let kv0 = stage * kv_tile;
-        let next = kv_tile - kv0;
-        // Each thread waits for block kb's buffer to be full, alone.
-        let phase = ((kb / 2) % 2) as u32;
-        if stage == 0 {
-            full0.wait_parity(phase);
-        } else {
-            full1.wait_parity(phase);
-        }
-        // `cp.async` wrote through the generic proxy, `wgmma` reads through the async one.
-        sync_async_proxy_shared();
-        let mut s_acc = wg_scores::<F, N>(&qs, &ks, q_wg, kv0, d, keys);
-        if kb + 1 < n_kb {
-            // The other buffer held block kb - 1: both warpgroups must be done with it.
-            if kb >= 1 {
-                let released = (((kb - 1) / 2) % 2) as u32;
-                if stage == 0 {
-                    empty1.wait_parity(released);
-                } else {
-                    empty0.wait_parity(released);
-                }
-            }
-            copy_kv_swizzled::<F, N>(
-                k,
-                v,
-                k_base,
-                v_base,
-                k_rs,
-                v_rs,
-                k0 + keys,
-                seq,
-                &mut ks,
-                &mut vs,
-                next,
-                keys,
-                d,
-                nthreads,
-            );
-            if stage == 0 {
-                full1.commit_copy_async();
-                let _filled = full1.arrive();
-            } else {
-                full0.commit_copy_async();
-                let _filled = full0.arrive();
-            }
-        }
-        wg_finish_block::<F, N>(
-            &mut s_acc,
-            &mut p,
-            &mut m_run,
-            &mut l_run,
-            &mut o_acc,
-            &vs,
-            kv0,
-            k0,
-            row0,
-            r_lo,
-            r_hi,
-            c_lo,
-            scale,
-            rescale_slack,
-            d,
-            keys,
-        );
-        if stage == 0 {
-            let _released = empty0.arrive();
-        } else {
-            let _released = empty1.arrive();
-        }
-    }
-
-    write_fwd_out::<F>(
-        o, lse, &o_acc, &m_run, &mut l_run, b, h, row0, r_lo, r_hi, c_lo, seq, 1usize, d_tiles,
-    );
-}
-
-/// [`flash_fwd_wgmma`] with its tiles loaded by the tensor memory accelerator: one thread
-/// issues each tile as bulk tensor copies (two per 128-column tile) that complete on the
-/// buffer's "full" mbarrier by byte count, where `cp.async` had every thread copy 32
-/// 16-byte chunks per key block, with their address arithmetic, between its MMAs and its
-/// softmax. Rows past the sequence arrive as zeros, as the copies' zero fill gave.
-#[cube(launch_unchecked, fast_math = FastMath::all())]
-#[allow(clippy::too_many_arguments)]
-fn flash_fwd_wgmma_tma<F: Float, N: Size>(
     q_map: &TensorMap<F, Tiled>,
     k_map: &TensorMap<F, Tiled>,
     v_map: &TensorMap<F, Tiled>,
@@ -582,12 +413,43 @@ fn flash_fwd_wgmma_tma<F: Float, N: Size>(
     );
 }
 
+/// The tiled tensor map [`flash_fwd_wgmma`] reads `t` (`[B, H, S, D]`, any strides with
+/// contiguous rows) through: `[1, 1, rows, 64]` boxes, 128-byte swizzle, zeros past the end.
+pub(super) fn tile_map<R: CubeRuntime>(t: CubeTensor<R>, rows: usize) -> TensorMapArg<R, Tiled> {
+    let dtype: StorageType = t.dtype.into();
+    TensorMapArg::new(
+        TiledArgs {
+            tile_size: vec![1, 1, rows, 64].into(),
+        },
+        t.into_tensor_arg(),
+        dtype,
+    )
+    .with_swizzle(TensorMapSwizzle::B128)
+}
+
+/// Panics, naming `kernel`, where a tensor's batch, head or row stride is not a whole number
+/// of 16-byte chunks: the tensor memory accelerator's rule for the maps of [`tile_map`] (two-byte
+/// elements).
+pub(super) fn assert_tensor_map_strides<R: CubeRuntime, const T: usize>(
+    kernel: &str,
+    tensors: [&CubeTensor<R>; T],
+) {
+    for t in tensors {
+        assert!(
+            t.meta.strides()[..3].iter().all(|s| s * 2 % 16 == 0),
+            "flash attention: {kernel} loads tiles through tensor maps, which need strides of \
+             whole 16-byte chunks; got {:?}",
+            t.meta.strides()
+        );
+    }
+}
 
 /// Launches [`flash_fwd_wgmma`] into `o` and `lse` (as `fwd_mma::launch`).
 ///
 /// # Panics
-/// Where the rows are not 16-byte aligned (`nv` 8) or the head dim is not 64 or 128: the
-/// kernel copies whole 16-byte chunks of 64-column blocks.
+/// Where the rows are not 16-byte aligned (`nv` 8), the head dim is not 64 or 128 (the kernel
+/// loads 64-column blocks), or a stride is not a multiple of 16 bytes (the tensor memory
+/// accelerator's rule).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -603,84 +465,11 @@ pub(super) fn launch<R: CubeRuntime>(
     let head_dim = dims.head_dim;
     assert!(
         nv == 8 && matches!(head_dim, 64 | 128),
-        "flash attention: forward {} copies 16-byte chunks of head dim 64 or 128; got vectors \
+        "flash attention: forward {} loads 64-column boxes of head dim 64 or 128; got vectors \
          of {nv} elements at head dim {head_dim}",
         FlashForward::Wgmma.name()
     );
-    let client = q.client.clone();
-    let dtype = q.dtype;
-    let n_blocks = dims.seq.div_ceil(WGMMA_ROWS) as u32;
-    let count = CubeCount::Static(dims.heads_q as u32, n_blocks, dims.batch as u32);
-    // SAFETY: as for `fwd_mma::launch`; the swizzled tiles are 1024-byte aligned and every
-    // chunk index stays inside them (`sw128_chunk` permutes chunks within an 8-row atom).
-    unsafe {
-        flash_fwd_wgmma::launch_unchecked::<R>(
-            &client,
-            count,
-            CubeDim::new_1d(256),
-            nv,
-            q.into_tensor_arg(),
-            k.into_tensor_arg(),
-            v.into_tensor_arg(),
-            o.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            scale_log2,
-            slack_log2,
-            dims.seq as u32,
-            dims.group() as u32,
-            n_blocks,
-            head_dim,
-            dtype.into(),
-        );
-    }
-}
-
-/// The tiled tensor map [`flash_fwd_wgmma_tma`] reads `t` (`[B, H, S, D]`, any strides with
-/// contiguous rows) through: `[1, 1, rows, 64]` boxes, 128-byte swizzle, zeros past the end.
-pub(super) fn tile_map<R: CubeRuntime>(t: CubeTensor<R>, rows: usize) -> TensorMapArg<R, Tiled> {
-    let dtype: StorageType = t.dtype.into();
-    TensorMapArg::new(
-        TiledArgs {
-            tile_size: vec![1, 1, rows, 64].into(),
-        },
-        t.into_tensor_arg(),
-        dtype,
-    )
-    .with_swizzle(TensorMapSwizzle::B128)
-}
-
-/// Launches [`flash_fwd_wgmma_tma`] into `o` and `lse` (as [`launch`]).
-///
-/// # Panics
-/// As [`launch`], and where a row stride is not a multiple of 16 bytes (the tensor memory
-/// accelerator's rule).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn launch_tma<R: CubeRuntime>(
-    q: CubeTensor<R>,
-    k: CubeTensor<R>,
-    v: CubeTensor<R>,
-    o: &CubeTensor<R>,
-    lse: &CubeTensor<R>,
-    scale_log2: f32,
-    slack_log2: f32,
-    dims: Dims,
-    nv: usize,
-) {
-    let head_dim = dims.head_dim;
-    assert!(
-        nv == 8 && matches!(head_dim, 64 | 128),
-        "flash attention: forward {} loads 64-column boxes of head dim 64 or 128; got vectors \
-         of {nv} elements at head dim {head_dim}",
-        FlashForward::WgmmaTma.name()
-    );
-    for t in [&q, &k, &v] {
-        assert!(
-            t.meta.strides()[..3].iter().all(|s| s * 2 % 16 == 0),
-            "flash attention: forward {} needs strides of whole 16-byte chunks; got {:?}",
-            FlashForward::WgmmaTma.name(),
-            t.meta.strides()
-        );
-    }
+    assert_tensor_map_strides(FlashForward::Wgmma.name(), [&q, &k, &v]);
     let client = q.client.clone();
     let dtype = q.dtype;
     let n_blocks = dims.seq.div_ceil(WGMMA_ROWS) as u32;
@@ -688,7 +477,7 @@ pub(super) fn launch_tma<R: CubeRuntime>(
     // SAFETY: the tensor maps bound every copy (zeros past the end); the swizzled tiles are
     // 1024-byte aligned, as the 128-byte swizzle needs, and each box fills one 64-column block.
     unsafe {
-        flash_fwd_wgmma_tma::launch_unchecked::<R>(
+        flash_fwd_wgmma::launch_unchecked::<R>(
             &client,
             count,
             CubeDim::new_1d(256),

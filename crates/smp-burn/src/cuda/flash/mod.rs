@@ -325,9 +325,6 @@ fn forward<R: CubeRuntime>(
         FlashForward::Wgmma => {
             fwd_wgmma::launch(q, k, v, &o, &lse, scale_log2, slack_log2, dims, nv)
         }
-        FlashForward::WgmmaTma => {
-            fwd_wgmma::launch_tma(q, k, v, &o, &lse, scale_log2, slack_log2, dims, nv)
-        }
     }
     (o, lse)
 }
@@ -521,11 +518,6 @@ fn backward<R: CubeRuntime>(
         FlashBackward::Wgmma => {
             let dq_acc = alloc_bshd(q_shape, zeros);
             bwd_wgmma::launch(&args, &dq_acc);
-            dq::launch_convert(dq_acc, &dq, scale, dims);
-        }
-        FlashBackward::WgmmaTma => {
-            let dq_acc = alloc_bshd(q_shape, zeros);
-            bwd_wgmma::launch_tma(&args, &dq_acc);
             dq::launch_convert(dq_acc, &dq, scale, dims);
         }
     }

@@ -189,7 +189,7 @@ pub(crate) fn choose_backward(
     wgmma: bool,
 ) -> FlashBackward {
     match asked {
-        Some(FlashBackward::Wgmma | FlashBackward::WgmmaTma) if !(rows16 && matches!(head_dim, 64 | 128)) => {
+        Some(FlashBackward::Wgmma) if !(rows16 && matches!(head_dim, 64 | 128)) => {
             default_backward(head_dim, pair_atomics, false, deterministic)
         }
         Some(kernel) => kernel,
@@ -205,7 +205,7 @@ pub(super) fn assert_forward_runs<R: CubeRuntime>(client: &ComputeClient<R>, ker
         mma_async_supported(client),
         "flash attention: forward {name} needs cp.async and cube barriers (sm_80+)"
     );
-    if matches!(kernel, FlashForward::Wgmma | FlashForward::WgmmaTma) {
+    if kernel == FlashForward::Wgmma {
         assert!(
             wgmma_supported(client),
             "flash attention: forward {name} needs warpgroup MMA (sm_90+ and the workspace's \
@@ -232,7 +232,7 @@ pub(super) fn assert_backward_runs<R: CubeRuntime>(
              later; use {}",
             FlashBackward::Split.name()
         ),
-        FlashBackward::Wgmma | FlashBackward::WgmmaTma => assert!(
+        FlashBackward::Wgmma => assert!(
             wgmma_backward_supported(client),
             "flash attention: backward {name} needs warpgroup MMA and the bulk reduction \
              (sm_90+ and the workspace's vendored CubeCL crates)"
@@ -243,8 +243,7 @@ pub(super) fn assert_backward_runs<R: CubeRuntime>(
 /// Whether asking for `kernel` runs it on `client`'s device with this build (on inputs with
 /// 16-byte rows, as contiguous ones have).
 pub fn forward_supported<R: CubeRuntime>(client: &ComputeClient<R>, kernel: FlashForward) -> bool {
-    mma_async_supported(client)
-        && (!matches!(kernel, FlashForward::Wgmma | FlashForward::WgmmaTma) || wgmma_supported(client))
+    mma_async_supported(client) && (kernel != FlashForward::Wgmma || wgmma_supported(client))
 }
 
 /// [`forward_supported`] for the backward.
@@ -256,7 +255,7 @@ pub fn backward_supported<R: CubeRuntime>(
         && match kernel {
             FlashBackward::Split => true,
             FlashBackward::Atomic | FlashBackward::AtomicGrid => pair_atomics_supported(client),
-            FlashBackward::Wgmma | FlashBackward::WgmmaTma => wgmma_backward_supported(client),
+            FlashBackward::Wgmma => wgmma_backward_supported(client),
         }
 }
 
