@@ -29,9 +29,9 @@ pub const KERNELS_ENV: &str = "SMP_BURN_KERNELS";
 
 /// The flash-attention forward kernel and its tiling.
 ///
-/// Each is the default somewhere: [`FlashForward::Wgmma`] at head dim 128 on sm_90 (Hopper's
-/// warpgroup MMA), [`FlashForward::Mma8x2`] at head dim 128 elsewhere (sm_80 and later),
-/// [`FlashForward::Mma4x2`] at head dim 64.
+/// Each is the default somewhere: [`FlashForward::Wgmma`] at head dim 64 and 128 on sm_90
+/// (Hopper's warpgroup MMA), [`FlashForward::Mma8x2`] at head dim 128 elsewhere (sm_80 and
+/// later), [`FlashForward::Mma4x2`] at head dim 64 elsewhere.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FlashForward {
     /// `mma.sync`, 8 warps of 2 x 16 query rows, K/V double-buffered by `cp.async`.

@@ -96,18 +96,19 @@ pub fn bulk_dq_supported<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
 /// The forward the device runs by default at `head_dim`, where it runs the warpgroup MMA
 /// (`wgmma`: [`wgmma_supported`] and rows of 16 bytes) or not.
 ///
-/// - head dim 64: [`FlashForward::Mma4x2`]: half the head dim halves the work per staged K/V
-///   block, so smaller cubes (two per SM) hide the copies better. On an H200, causal, S 4096:
-///   223 TFLOP/s where [`FlashForward::Mma8x2`] gives 195; the warpgroup forward ties it at
-///   S 4096 and is 4 % slower at batch 8.
-/// - head dim 128 with `wgmma`: [`FlashForward::Wgmma`], 430-477 TFLOP/s where
-///   [`FlashForward::Mma8x2`] gives 297-361.
+/// - `wgmma` at head dim 64 or 128: [`FlashForward::Wgmma`]. Causal, batch 1, H200: 466-535
+///   TFLOP/s at head dim 128 (S 4096-32768) where [`FlashForward::Mma8x2`] gives 297-361;
+///   H100: 331-374 at head dim 64 (B8 S 4096, B2 S 16384) where [`FlashForward::Mma4x2`]
+///   gives 291-311, since its tiles are loaded by the tensor memory accelerator.
+/// - head dim 64 without `wgmma`: [`FlashForward::Mma4x2`]: half the head dim halves the work
+///   per staged K/V block, so smaller cubes (two per SM) hide the copies better. On an H200,
+///   causal, S 4096: 223 TFLOP/s where [`FlashForward::Mma8x2`] gives 195.
 /// - otherwise [`FlashForward::Mma8x2`]: 285 / 340 TFLOP/s at S 4096 / 16384 (PyTorch's flash
 ///   forward 256 / 333 on the same GPU); 4 warps of two m-tiles stay 2-12 % slower there.
 pub fn default_forward(head_dim: usize, wgmma: bool) -> FlashForward {
     match head_dim {
+        64 | 128 if wgmma => FlashForward::Wgmma,
         64 => FlashForward::Mma4x2,
-        128 if wgmma => FlashForward::Wgmma,
         _ => FlashForward::Mma8x2,
     }
 }
@@ -286,7 +287,7 @@ mod tests {
     /// kernel only at head dim 128, where it is 20-30 % faster.
     #[test]
     fn forward_default_by_head_dim_and_device() {
-        assert_eq!(default_forward(64, true), FlashForward::Mma4x2);
+        assert_eq!(default_forward(64, true), FlashForward::Wgmma);
         assert_eq!(default_forward(64, false), FlashForward::Mma4x2);
         assert_eq!(default_forward(128, true), FlashForward::Wgmma);
         assert_eq!(default_forward(128, false), FlashForward::Mma8x2);
