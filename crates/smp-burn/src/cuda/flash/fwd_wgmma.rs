@@ -303,6 +303,7 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     let lane = UNIT_POS_PLANE as usize;
     let q0 = qb * bq;
     let row0 = q0 + 16 * warp;
+    // This warpgroup's 64 rows of Q: chunk offset of its first 8-row atom.
     let q_wg = (warp / 4) * 512;
     let leader = UNIT_POS == 0;
 
@@ -348,6 +349,8 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     if seq < q_end {
         q_end = seq;
     }
+    // `keys` = `bq` and blocks aligned: every block starts at or before every row of the cube,
+    // so no warpgroup ever skips one.
     let n_kb = (q_end + keys - 1) / keys;
     q_full.wait_parity(0u32);
 
