@@ -2,7 +2,8 @@
 //! backward shape, two consumer warpgroups of 64 keys (128 keys per cube) and 64-query blocks,
 //! every product a `wgmma` ([`super::wgmma`]), dQ added by one bulk reduction per row. On an
 //! H200 (causal, head dim 128) 333 / 378 TFLOP/s at B8 S 4k / B2 S 16k, where the `mma.sync`
-//! warp grid [`FlashBackward::AtomicGrid`] gives 258 / 290.
+//! warp grid [`FlashBackward::AtomicGrid`] gives 258 / 290; on an H100 at head dim 64 (B1 S
+//! 16k) 285-287 where the per-warp [`FlashBackward::Atomic`] gives 247-249.
 //!
 //! [`FlashBackward::Wgmma`]: crate::FlashBackward::Wgmma
 //! [`FlashBackward::AtomicGrid`]: crate::FlashBackward::AtomicGrid
@@ -39,9 +40,61 @@ const fn wgmma_bwd_dq_pitch(d: usize) -> usize {
     d / 2 + 4
 }
 
+/// Which threads copy a block's statistics and reduce its dQ rows, one row each: at head dim
+/// 64 lanes 0-7 of every warp (rows `8 warp ..`), at head dim 128 threads 0-63 (the first
+/// warpgroup's first two warps). Each bulk reduction runs on its warp's uniform datapath, one
+/// issuing thread after another, so the rows on two warps hold the first warpgroup back every
+/// block; at head dim 64 (two cubes per SM) spreading them made the kernel 1.14x faster on an
+/// H100 (S = 16k), at head dim 128 (one cube per SM) 3 % slower (measured beside a variant with
+/// three Q/dO buffers), the second warpgroup then no longer running ahead into the tensor
+/// cores.
+const fn bookkeeping_spread(d: usize) -> bool {
+    d == 64
+}
+
+/// This thread's row of [`bookkeeping_spread`]'s assignment; 64 (no row of the block) where it
+/// has none.
+#[cube]
+fn bookkeeping_row(#[comptime] d: usize) -> usize {
+    let lane = UNIT_POS_PLANE as usize;
+    let t = UNIT_POS as usize;
+    let mut row = t;
+    if comptime!(bookkeeping_spread(d)) {
+        row = comptime!(WGMMA_BWD_QROWS);
+        if lane < 8 {
+            row = (t / 32) * 8 + lane;
+        }
+    } else if t >= comptime!(WGMMA_BWD_QROWS) {
+        row = comptime!(WGMMA_BWD_QROWS);
+    }
+    row
+}
+
+/// Loads query block `q0 ..` of head `h` of Q and dO into buffer offset `dst0` of `qs` / `dos`,
+/// both completing on `full` (the leader's arrival with their byte count).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_q_do<F: Float, N: Size>(
+    q_map: &TensorMap<F, Tiled>,
+    do_map: &TensorMap<F, Tiled>,
+    full: &Barrier,
+    qs: &mut SharedMemory<Vector<F, N>>,
+    dos: &mut SharedMemory<Vector<F, N>>,
+    dst0: usize,
+    b: usize,
+    h: usize,
+    q0: usize,
+    #[comptime] d: usize,
+) {
+    let bq = comptime!(WGMMA_BWD_QROWS);
+    tma_tile::<F, N>(q_map, full, qs, dst0, b, h, q0, bq, d);
+    tma_tile::<F, N>(do_map, full, dos, dst0, b, h, q0, bq, d);
+    let _qdo = full.arrive_and_expect_tx(1u32, comptime!((2 * WGMMA_BWD_QROWS * d * 2) as u32));
+}
+
 /// The lse and delta of query rows `q0 .. q0 + 64` of head `h` into `lse_s` / `delta_s` from
-/// `stat0`, one 4-byte `cp.async` each by the first 64 threads (past the end `lse = 1e30`, so
-/// `P = 0`, and `delta = 0`).
+/// `stat0`, one 4-byte `cp.async` each by the threads of [`bookkeeping_row`] (past the end
+/// `lse = 1e30`, so `P = 0`, and `delta = 0`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_stats(
@@ -54,10 +107,10 @@ fn copy_stats(
     q0: usize,
     seq: usize,
     stat0: usize,
+    #[comptime] d: usize,
 ) {
-    let rows = comptime!(WGMMA_BWD_QROWS);
-    let t = UNIT_POS as usize;
-    if t < rows {
+    let t = bookkeeping_row(d);
+    if t < comptime!(WGMMA_BWD_QROWS) {
         let qi = q0 + t;
         let si = stat0 + t;
         if qi < seq {
@@ -162,7 +215,7 @@ fn wgmma_bwd_probs(
 
 /// Adds the staged dQ rows of query block `q0 ..` of head `h` (f32 pair rows of `dqs`, pitch
 /// [`wgmma_bwd_dq_pitch`]) to `dq_acc` (dq's layout): one bulk reduction per row before
-/// `seq`, issued by the first 64 threads and committed as one group each (their
+/// `seq`, issued by the threads of [`bookkeeping_row`] and committed as one group each (their
 /// `tma_group_wait_read` frees the rows).
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -175,7 +228,7 @@ fn reduce_dq_rows(
     seq: usize,
     #[comptime] d: usize,
 ) {
-    let t = UNIT_POS as usize;
+    let t = bookkeeping_row(d);
     if t < comptime!(WGMMA_BWD_QROWS) {
         let qi = q0 + t;
         if qi < seq {
@@ -213,8 +266,8 @@ fn reduce_dq_rows(
 ///   barrier publishes and one bulk reduction per row adds to `dq_acc` (f32, dq's layout).
 ///
 /// Two cube barriers per block: the first both lands the block's lse and delta and publishes
-/// the previous block's dQ rows (and frees the other Q/dO buffer for the next load), the
-/// second publishes `dS^T`. The tensor loads tie the `cp.async` copies in speed (0-2 %
+/// the previous block's dQ rows (and frees a Q/dO buffer for the next load), the second
+/// publishes `dS^T`. The tensor loads tie the `cp.async` copies in speed (0-2 %
 /// faster on an H200 at S = 4k-32k) with fewer instructions per thread.
 ///
 /// Why this shape: FlashAttention-3's backward (two consumer warpgroups of 64 keys, 64-query
@@ -253,7 +306,6 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let warp = UNIT_POS as usize / 32;
     let wg = warp / 4;
     let lane = UNIT_POS_PLANE as usize;
-    let t = UNIT_POS as usize;
     // This warp's first key, and its warpgroup's first K/V row (chunk offset of its atom).
     let wk0 = k0 + 16 * warp;
     let kv_wg = sw128_chunk(64 * wg, 0usize, bk);
@@ -281,7 +333,6 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
 
     let leader = UNIT_POS == 0;
-    let qdo_bytes = comptime!((2 * WGMMA_BWD_QROWS * d * 2) as u32);
     let kv_bytes = comptime!((2 * WGMMA_BWD_KEYS * d * 2) as u32);
     let bar = Barrier::shared(CUBE_DIM, leader);
     let kv_full = Barrier::shared(1u32, leader);
@@ -300,29 +351,18 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let n_it = grp * n_blk;
     let h_first = hk * grp;
     if leader {
-        tma_tile::<F, N>(
+        load_q_do::<F, N>(
             q_map,
-            &full0,
-            &mut qs,
-            0usize,
-            b,
-            h_first,
-            qb_start * bq,
-            bq,
-            d,
-        );
-        tma_tile::<F, N>(
             do_map,
             &full0,
+            &mut qs,
             &mut dos,
             0usize,
             b,
             h_first,
             qb_start * bq,
-            bq,
             d,
         );
-        let _qdo = full0.arrive_and_expect_tx(1u32, qdo_bytes);
     }
     copy_stats(
         lse,
@@ -334,6 +374,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
         qb_start * bq,
         seq,
         0usize,
+        d,
     );
     kv_full.wait_parity(0u32);
 
@@ -382,17 +423,13 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
             let next_off = q_tile - q_off;
             if leader {
                 if buf == 0 {
-                    tma_tile::<F, N>(q_map, &full1, &mut qs, next_off, b, next_h, next_q0, bq, d);
-                    tma_tile::<F, N>(
-                        do_map, &full1, &mut dos, next_off, b, next_h, next_q0, bq, d,
+                    load_q_do::<F, N>(
+                        q_map, do_map, &full1, &mut qs, &mut dos, next_off, b, next_h, next_q0, d,
                     );
-                    let _qdo = full1.arrive_and_expect_tx(1u32, qdo_bytes);
                 } else {
-                    tma_tile::<F, N>(q_map, &full0, &mut qs, next_off, b, next_h, next_q0, bq, d);
-                    tma_tile::<F, N>(
-                        do_map, &full0, &mut dos, next_off, b, next_h, next_q0, bq, d,
+                    load_q_do::<F, N>(
+                        q_map, do_map, &full0, &mut qs, &mut dos, next_off, b, next_h, next_q0, d,
                     );
-                    let _qdo = full0.arrive_and_expect_tx(1u32, qdo_bytes);
                 }
             }
             copy_stats(
@@ -405,6 +442,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
                 next_q0,
                 seq,
                 bq - stat0,
+                d,
             );
         }
 
@@ -480,7 +518,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
         }
         // The previous block's reductions must have read the staging rows before they are
         // written again below; the barrier after this publishes dS^T to both warpgroups.
-        if t < bq {
+        if bookkeeping_row(d) < bq {
             tma_group_wait_read(0u32);
         }
         sync_async_proxy_shared();
@@ -549,7 +587,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     wgmma_fence_operands(&mut dk_acc);
     sync_cube();
     reduce_dq_rows(&dqs, dq_acc, b, staged_h, staged_q0, seq, d);
-    if t < bq {
+    if bookkeeping_row(d) < bq {
         tma_group_wait_read(0u32);
     }
 
