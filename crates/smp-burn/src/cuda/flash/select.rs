@@ -338,7 +338,7 @@ mod tests {
             (Some(Split), 128, true, Split),
             (None, 128, true, Wgmma),
             (None, 128, false, AtomicGrid),
-            (None, 64, true, Atomic),
+            (None, 64, true, Wgmma),
         ] {
             assert_eq!(
                 choose_backward(asked, false, head_dim, rows16, true, true),
