@@ -20,7 +20,7 @@ use super::bwd_mma::{kv_blocks, write_dkdv};
 use super::dq::bulk_reduce_add_f32;
 use super::fragments::{p_fragment, zero_frags};
 use super::fwd_wgmma::{assert_tensor_map_strides, fresh_frags, tile_map, wgmma_rs_block};
-use super::tiles::{sw128_chunk, tma_tile};
+use super::tiles::{sw128_chunk, tma_tile_pair};
 use super::wgmma::{
     SWIZZLE_128B, wgmma_commit_group, wgmma_descriptor, wgmma_descriptor_at, wgmma_fence,
     wgmma_fence_operands, wgmma_ss, wgmma_wait_group,
@@ -68,28 +68,6 @@ fn bookkeeping_row(#[comptime] d: usize) -> usize {
         row = comptime!(WGMMA_BWD_QROWS);
     }
     row
-}
-
-/// Loads query block `q0 ..` of head `h` of Q and dO into buffer offset `dst0` of `qs` / `dos`,
-/// both completing on `full` (the leader's arrival with their byte count).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_q_do<F: Float, N: Size>(
-    q_map: &TensorMap<F, Tiled>,
-    do_map: &TensorMap<F, Tiled>,
-    full: &Barrier,
-    qs: &mut SharedMemory<Vector<F, N>>,
-    dos: &mut SharedMemory<Vector<F, N>>,
-    dst0: usize,
-    b: usize,
-    h: usize,
-    q0: usize,
-    #[comptime] d: usize,
-) {
-    let bq = comptime!(WGMMA_BWD_QROWS);
-    tma_tile::<F, N>(q_map, full, qs, dst0, b, h, q0, bq, d);
-    tma_tile::<F, N>(do_map, full, dos, dst0, b, h, q0, bq, d);
-    let _qdo = full.arrive_and_expect_tx(1u32, comptime!((2 * WGMMA_BWD_QROWS * d * 2) as u32));
 }
 
 /// The lse and delta of query rows `q0 .. q0 + 64` of head `h` into `lse_s` / `delta_s` from
@@ -333,16 +311,15 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
 
     let leader = UNIT_POS == 0;
-    let kv_bytes = comptime!((2 * WGMMA_BWD_KEYS * d * 2) as u32);
     let bar = Barrier::shared(CUBE_DIM, leader);
     let kv_full = Barrier::shared(1u32, leader);
     let full0 = Barrier::shared(1u32, leader);
     let full1 = Barrier::shared(1u32, leader);
     sync_async_proxy_shared();
     if leader {
-        tma_tile::<F, N>(k_map, &kv_full, &mut ks, 0usize, b, hk, k0, bk, d);
-        tma_tile::<F, N>(v_map, &kv_full, &mut vs, 0usize, b, hk, k0, bk, d);
-        let _kv = kv_full.arrive_and_expect_tx(1u32, kv_bytes);
+        tma_tile_pair::<F, N>(
+            k_map, v_map, &kv_full, &mut ks, &mut vs, 0usize, b, hk, k0, bk, d,
+        );
     }
 
     let n_qb = (seq + bq - 1) / bq;
@@ -351,7 +328,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let n_it = grp * n_blk;
     let h_first = hk * grp;
     if leader {
-        load_q_do::<F, N>(
+        tma_tile_pair::<F, N>(
             q_map,
             do_map,
             &full0,
@@ -361,6 +338,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
             b,
             h_first,
             qb_start * bq,
+            bq,
             d,
         );
     }
@@ -423,12 +401,14 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
             let next_off = q_tile - q_off;
             if leader {
                 if buf == 0 {
-                    load_q_do::<F, N>(
-                        q_map, do_map, &full1, &mut qs, &mut dos, next_off, b, next_h, next_q0, d,
+                    tma_tile_pair::<F, N>(
+                        q_map, do_map, &full1, &mut qs, &mut dos, next_off, b, next_h, next_q0, bq,
+                        d,
                     );
                 } else {
-                    load_q_do::<F, N>(
-                        q_map, do_map, &full0, &mut qs, &mut dos, next_off, b, next_h, next_q0, d,
+                    tma_tile_pair::<F, N>(
+                        q_map, do_map, &full0, &mut qs, &mut dos, next_off, b, next_h, next_q0, bq,
+                        d,
                     );
                 }
             }

@@ -21,7 +21,7 @@ use crate::FlashForward;
 use super::Dims;
 use super::fragments::{p_fragment, zero_frags};
 use super::fwd_mma::{fwd_softmax, write_fwd_out};
-use super::tiles::tma_tile;
+use super::tiles::{tma_tile, tma_tile_pair};
 use super::wgmma::{
     SWIZZLE_128B, wgmma_commit_group, wgmma_descriptor, wgmma_descriptor_at, wgmma_fence,
     wgmma_fence_operands, wgmma_rs, wgmma_ss, wgmma_wait_group,
@@ -292,7 +292,6 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     let d_tiles = comptime!(d / 8);
     let kv_tile = comptime!(keys * d / 8);
     let q_bytes = comptime!((WGMMA_ROWS * d * 2) as u32);
-    let kv_bytes = comptime!((2 * WGMMA_KEYS * d * 2) as u32);
 
     let seq = seq_len as usize;
     let h = CUBE_POS_X as usize;
@@ -330,9 +329,9 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     if leader {
         tma_tile::<F, N>(q_map, &q_full, &mut qs, 0usize, b, h, q0, bq, d);
         let _q = q_full.arrive_and_expect_tx(1u32, q_bytes);
-        tma_tile::<F, N>(k_map, &full0, &mut ks, 0usize, b, hk, 0usize, keys, d);
-        tma_tile::<F, N>(v_map, &full0, &mut vs, 0usize, b, hk, 0usize, keys, d);
-        let _kv = full0.arrive_and_expect_tx(1u32, kv_bytes);
+        tma_tile_pair::<F, N>(
+            k_map, v_map, &full0, &mut ks, &mut vs, 0usize, b, hk, 0usize, keys, d,
+        );
     }
 
     let mut o_acc = zero_frags(d_tiles);
@@ -377,13 +376,33 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
                 }
             }
             if stage == 0 {
-                tma_tile::<F, N>(k_map, &full1, &mut ks, next, b, hk, k0 + keys, keys, d);
-                tma_tile::<F, N>(v_map, &full1, &mut vs, next, b, hk, k0 + keys, keys, d);
-                let _kv = full1.arrive_and_expect_tx(1u32, kv_bytes);
+                tma_tile_pair::<F, N>(
+                    k_map,
+                    v_map,
+                    &full1,
+                    &mut ks,
+                    &mut vs,
+                    next,
+                    b,
+                    hk,
+                    k0 + keys,
+                    keys,
+                    d,
+                );
             } else {
-                tma_tile::<F, N>(k_map, &full0, &mut ks, next, b, hk, k0 + keys, keys, d);
-                tma_tile::<F, N>(v_map, &full0, &mut vs, next, b, hk, k0 + keys, keys, d);
-                let _kv = full0.arrive_and_expect_tx(1u32, kv_bytes);
+                tma_tile_pair::<F, N>(
+                    k_map,
+                    v_map,
+                    &full0,
+                    &mut ks,
+                    &mut vs,
+                    next,
+                    b,
+                    hk,
+                    k0 + keys,
+                    keys,
+                    d,
+                );
             }
         }
         wg_finish_block::<F, N>(

@@ -206,3 +206,27 @@ pub(super) fn tma_tile<F: Float, N: Size>(
         );
     }
 }
+
+/// Two tiles of `rows` rows at `row0` of head `h`, batch `b` ([`tma_tile`] each: K and V, or Q
+/// and dO) into chunk `dst0` of `dst_a` and `dst_b`, and the leader's arrival on `bar`
+/// expecting both tiles' bytes, so that `bar` completes once both have landed. One thread
+/// issues it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn tma_tile_pair<F: Float, N: Size>(
+    map_a: &TensorMap<F, Tiled>,
+    map_b: &TensorMap<F, Tiled>,
+    bar: &Barrier,
+    dst_a: &mut SharedMemory<Vector<F, N>>,
+    dst_b: &mut SharedMemory<Vector<F, N>>,
+    dst0: usize,
+    b: usize,
+    h: usize,
+    row0: usize,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+) {
+    tma_tile::<F, N>(map_a, bar, dst_a, dst0, b, h, row0, rows, d);
+    tma_tile::<F, N>(map_b, bar, dst_b, dst0, b, h, row0, rows, d);
+    let _pair = bar.arrive_and_expect_tx(1u32, comptime!((2 * rows * d * 2) as u32));
+}
