@@ -150,8 +150,14 @@ fn assert_matches(reference: &Run, got: &Run, what: &str) {
             .iter()
             .zip(vb)
             .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        // After a few AdamW steps, whose update divides by the gradient's root mean square: a
+        // small gradient's rounding moves its parameter most. Burn's `div` backward multiplies
+        // by burn-ndarray's SIMD reciprocal estimate (3.7e-4 relative on AVX2 CPUs, 6e-5 with
+        // AVX-512), applied to other elements when a tensor is split across ranks; a wrong
+        // collective or normalization moves parameters by 1e-2 or more, and the losses by far
+        // more than the 2e-5 above.
         assert!(
-            diff / scale < 1e-3,
+            diff / scale < 2e-3,
             "{what}: {na} differs from plain Burn by {:.2e} (relative)",
             diff / scale
         );
