@@ -101,6 +101,42 @@ pub fn backward_from<B: AutodiffBackend, const D: usize>(
         .unwrap_or_else(|(output, grad)| (output * Tensor::from_inner(grad)).sum().backward())
 }
 
+/// `t` with its values given up: the same autodiff node, shape and dtype, its storage a
+/// broadcast of one uninitialized element. A module kept only to find its parameters'
+/// gradients (which go by node) then no longer holds the buffer its parameters were views of,
+/// so that buffer is freed once nothing in the graph reads it either. Backends other than
+/// Burn's `Autodiff` get `t` back unchanged.
+pub(crate) fn without_values<B: AutodiffBackend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    if TypeId::of::<B>() != TypeId::of::<Autodiff<B::InnerBackend>>() {
+        return t;
+    }
+    let t: Tensor<Autodiff<B::InnerBackend>, D> = same(t);
+    match t.into_primitive() {
+        TensorPrimitive::Float(mut tracked) => {
+            tracked.primitive = no_storage::<B::InnerBackend>(&tracked.primitive);
+            same(Tensor::<Autodiff<B::InnerBackend>, D>::from_primitive(
+                TensorPrimitive::Float(tracked),
+            ))
+        }
+        quantized => same(Tensor::<Autodiff<B::InnerBackend>, D>::from_primitive(
+            quantized,
+        )),
+    }
+}
+
+/// A tensor shaped like `t` whose every element is one uninitialized value (on CUDA a zero
+/// stride view of a one-element buffer; backends without strided views may fill it).
+fn no_storage<I: Backend>(t: &I::FloatTensorPrimitive) -> I::FloatTensorPrimitive {
+    use burn::tensor::{FloatDType, Shape, TensorMetadata};
+    let shape = t.shape();
+    let one = I::float_empty(
+        Shape::from(vec![1; shape.num_dims()]),
+        &I::float_device(t),
+        FloatDType::from(t.dtype()),
+    );
+    I::float_expand(one, shape)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,5 +170,30 @@ mod tests {
         for (p, q) in a.0.iter().chain(&a.1).zip(b.0.iter().chain(&b.1)) {
             assert!((p - q).abs() <= 1e-5 * (1.0 + q.abs()), "{p} vs {q}");
         }
+    }
+
+    /// A tensor that gave up its values still finds (and replaces) its gradient, keeps its
+    /// shape, and no longer holds its values.
+    #[test]
+    fn without_values_keeps_the_node_not_the_values() {
+        let dev = Default::default();
+        let x = Tensor::<A, 2>::random([3, 5], Distribution::Default, &dev);
+        let w =
+            Tensor::<A, 2>::random([5, 4], Distribution::Uniform(1.0, 2.0), &dev).require_grad();
+        let mut grads = x.matmul(w.clone()).sum().backward();
+        let stand_in = without_values(w.clone());
+        assert_eq!(stand_in.dims(), [5, 4]);
+        assert!(stand_in.is_require_grad());
+        let v = |t: Tensor<I, 2>| t.into_data().to_vec::<f32>().unwrap();
+        assert_eq!(
+            v(stand_in.grad(&grads).unwrap()),
+            v(w.grad(&grads).unwrap())
+        );
+        assert!(
+            v(stand_in.clone().inner()).iter().all(|&e| e < 1.0),
+            "the stand-in still holds the values (all in [1, 2))"
+        );
+        stand_in.grad_replace(&mut grads, Tensor::zeros([5, 4], &dev));
+        assert!(v(w.grad(&grads).unwrap()).iter().all(|&e| e == 0.0));
     }
 }

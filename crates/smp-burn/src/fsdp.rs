@@ -450,6 +450,16 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         &self.layout
     }
 
+    /// Drops the unit's hold on the compute-dtype weights AdamW wrote for the next forward,
+    /// when the unit is not sharded (its gather is that very buffer): once the module gathered
+    /// from it and the graph let go of it too, its memory serves the rest of the step. A gather
+    /// before the next optimizer step casts the master weights again.
+    pub fn release_compute_copy(&mut self) {
+        if self.degree == 1 {
+            self.compute = None;
+        }
+    }
+
     /// The module with full parameters, all-gathered in the compute dtype. With `track_grad`
     /// every parameter is an autodiff leaf whose gradient [`Self::accumulate_grads`] collects.
     pub fn gather(
@@ -523,11 +533,36 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         track_grad: bool,
         external: &ExternalParams,
     ) -> M {
+        self.unflatten(full, track_grad, external, false)
+    }
+
+    /// [`Self::assemble_with`], the module's vector parameters (norm scales, biases) copied
+    /// into buffers of their own rather than views of `full`. A graph that keeps them (a norm's
+    /// backward reads its scale) then does not keep `full` alive: where nothing reads the
+    /// matrices after the forward either (FP8 layers that keep their weights' FP8 copies),
+    /// `full` is freed once the module's own values are dropped.
+    pub fn assemble_with_own_vectors(
+        &self,
+        full: Tensor<B::InnerBackend, 1>,
+        track_grad: bool,
+        external: &ExternalParams,
+    ) -> M {
+        self.unflatten(full, track_grad, external, true)
+    }
+
+    fn unflatten(
+        &self,
+        full: Tensor<B::InnerBackend, 1>,
+        track_grad: bool,
+        external: &ExternalParams,
+        own_vectors: bool,
+    ) -> M {
         struct Unflatten<'a, IB: Backend> {
             full: Tensor<IB, 1>,
             layout: &'a FlatLayout,
             next: usize,
             track_grad: bool,
+            own_vectors: bool,
             leave: &'a HashSet<ParamId>,
             external: &'a ExternalParams,
         }
@@ -550,11 +585,16 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                     .clone()
                     .try_into()
                     .expect("rank recorded by layout");
-                let inner = self
+                let mut inner = self
                     .full
                     .clone()
                     .narrow(0, spec.offset, spec.numel)
                     .reshape(dims);
+                if self.own_vectors && D == 1 {
+                    // A new buffer: `full` still holds the view's storage, so the product
+                    // cannot be written in place.
+                    inner = inner.mul_scalar(1.0);
+                }
                 let mut t = Tensor::<B, D>::from_inner(inner);
                 if self.track_grad {
                     t = t.require_grad();
@@ -568,6 +608,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             layout: &self.layout,
             next: 0,
             track_grad,
+            own_vectors,
             leave: &self.external,
             external,
         };

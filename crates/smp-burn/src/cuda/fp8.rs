@@ -749,6 +749,11 @@ pub fn keep_weight_copies(keep: bool) {
     KEEP_WEIGHT_COPIES.store(keep, Ordering::Relaxed);
 }
 
+/// Whether the forward keeps the weights' FP8 copies ([`keep_weight_copies`]).
+pub fn weight_copies_kept() -> bool {
+    KEEP_WEIGHT_COPIES.load(Ordering::Relaxed)
+}
+
 /// The tensors of a layer whose scales delayed scaling tracks.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 enum Role {

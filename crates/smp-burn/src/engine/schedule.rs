@@ -12,7 +12,7 @@
 //! unit's compute is queued, and in the backward a unit's reduce-scatter runs beside the next
 //! unit's backward; every rank issues the same collectives in the same order either way.
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, backend::AutodiffBackend};
 
 use super::{
@@ -39,6 +39,16 @@ enum Saved<B: AutodiffBackend, K> {
         input: Tensor<B, 3>,
         output: Tensor<B, 3>,
     },
+}
+
+/// Gives up every parameter's values ([`crate::autodiff::without_values`]) of a module kept
+/// only to find its parameters' gradients: the graph holds whatever its backward reads.
+struct WithoutValues;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for WithoutValues {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        param.map(crate::autodiff::without_values)
+    }
 }
 
 /// A unit's full flat parameters: the prefetched gather when there is one, else gathered now.
@@ -298,15 +308,28 @@ where
                 }
                 x = y;
             } else {
-                let block = unit.assemble_with(full, true, &tracked);
+                // Where the block's backward reads none of its matrices (FP8 layers keep their
+                // own FP8 copies), its gathered parameters go once the forward is done: the
+                // graph gets its own copies of the vector parameters, the kept module only what
+                // finds the gradients, and an unsharded unit gives up its compute copy: 2 bytes per
+                // parameter of every kept layer against the FP8 copies' 1.
+                let release = crate::fast::fp8_weight_copies_kept::<B>();
+                let block = if release {
+                    unit.assemble_with_own_vectors(full, true, &tracked)
+                } else {
+                    unit.assemble_with(full, true, &tracked)
+                };
                 let input = x.require_grad();
                 let output = block.forward(input.clone(), &aux, &cx);
                 x = Tensor::from_inner(output.clone().inner());
                 saved.push(Saved::Graph {
-                    module: Box::new(block),
+                    module: Box::new(block.map(&mut WithoutValues)),
                     input,
                     output,
                 });
+                if release {
+                    self.blocks[i].unit.release_compute_copy();
+                }
             }
             self.check_tp()?;
             check_stream(&format!("block {i}"), x.dims(), &cx)?;

@@ -35,6 +35,11 @@ pub(crate) fn linear_fp8<B: Backend, const D: usize>(
     None
 }
 
+#[allow(clippy::extra_unused_type_parameters)] // the signature of the CUDA build's
+pub(crate) fn fp8_weight_copies_kept<B: Backend>() -> bool {
+    false
+}
+
 pub(crate) fn causal_attention<B: Backend>(
     _: &Tensor<B, 4>,
     _: &Tensor<B, 4>,

@@ -94,6 +94,15 @@ pub(crate) fn linear<B: Backend, const D: usize>(
     Some(y)
 }
 
+/// Whether FP8 linear layers on `B` keep their weights' FP8 copies from the forward for the
+/// backward ([`crate::cuda::fp8::keep_weight_copies`]), which then reads nothing of the bf16
+/// weights.
+pub(crate) fn fp8_weight_copies_kept<B: Backend>() -> bool {
+    crate::kernel_config::fp8_recipe().enabled()
+        && matches!(served::<B>(), Some(Served::CubeAutodiff))
+        && crate::cuda::fp8::weight_copies_kept()
+}
+
 /// `x w^T` with FP8 GEMMs ([`crate::cuda::fp8`]) when the installed recipe asks for it and
 /// `B` is [`CudaCube`] (with or without autodiff) on an FP8 GPU with bf16 operands of
 /// FP8-friendly shapes; `None` means "use [`linear`]". A recipe that cannot be honoured is
