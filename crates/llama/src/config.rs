@@ -231,21 +231,18 @@ impl LlamaConfig {
             let heads = self.num_attention_heads as u64;
             acts += recomputed * tokens * (h * value_bytes + heads * 4) / tp;
         }
-        let mut released = 0;
         if layout.fp8 {
             // A layer that keeps its graph keeps its weights' FP8 copies (a byte per
             // parameter); its inputs are kept in FP8 instead of bf16, which the measured
             // activations above hardly notice (7B: 129.9 GiB measured with FP8 where bf16
-            // measured 122.8). Its backward then reads none of its bf16 matrices, so an
-            // unsharded layer's weight copy is freed after its forward.
-            let kept = layers - recomputed;
-            acts += kept.max(1) * self.block_parameters() as u64 / tp;
-            if shard_degree <= 1 {
-                released = kept * self.block_parameters() as u64 * copy_bytes / tp;
-            }
+            // measured 122.8). Its backward then reads none of its bf16 matrices, so the
+            // engine frees an unsharded layer's bf16 weights after its forward; that is not
+            // subtracted here, because how much of it the allocator hands to later
+            // activations (only those of the same size class) has not been measured.
+            acts += (layers - recomputed).max(1) * self.block_parameters() as u64 / tp;
         }
         // Allocator slack and the CUDA context.
-        (state + transient + acts - released) * 11 / 10 + (1 << 30)
+        (state + transient + acts) * 11 / 10 + (1 << 30)
     }
 
     /// How many decoder layers to recompute (activation checkpointing, first layers first) so
