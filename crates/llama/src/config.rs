@@ -168,9 +168,9 @@ impl LlamaConfig {
     ///
     /// Calibrated on an H200 against the device memory in use as the step log reports it
     /// (docs/benchmarks.md lists each run beside this estimate); within 10 % of every one-GPU
-    /// run measured: bf16 at S=4096 (1.2B 27.0 GiB, Llama 2 7B 112.6-122.1 GiB) and f32 with the
-    /// reference attention (1.2B at S=2048 25.4-62.6 GiB, 7B 123.7 GiB). Two-GPU runs are
-    /// counted more roughly (f32 gradients, NCCL buffers and the prefetched unit). Its use is
+    /// run measured: bf16 at S=4096 (1.2B 27.0 GiB, Llama 2 7B 112.6-122.1 GiB), FP8 (1.2B 25.8,
+    /// 7B 116.8 GiB) and f32 with the reference attention (1.2B at S=2048 25.4-62.6 GiB, 7B
+    /// 123.7 GiB). Two-GPU runs are counted more roughly (f32 gradients, NCCL buffers and the prefetched unit). Its use is
     /// to decide how many layers to recompute ([`Self::layers_to_recompute`]).
     pub fn training_memory_estimate(&self, layout: &StepLayout, recomputed_layers: usize) -> u64 {
         let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
@@ -231,18 +231,22 @@ impl LlamaConfig {
             let heads = self.num_attention_heads as u64;
             acts += recomputed * tokens * (h * value_bytes + heads * 4) / tp;
         }
+        let mut released = 0;
         if layout.fp8 {
             // A layer that keeps its graph keeps its weights' FP8 copies (a byte per
             // parameter); its inputs are kept in FP8 instead of bf16, which the measured
-            // activations above hardly notice (7B: 129.9 GiB measured with FP8 where bf16
-            // measured 122.8). Its backward then reads none of its bf16 matrices, so the
-            // engine frees an unsharded layer's bf16 weights after its forward; that is not
-            // subtracted here, because how much of it the allocator hands to later
-            // activations (only those of the same size class) has not been measured.
-            acts += (layers - recomputed).max(1) * self.block_parameters() as u64 / tp;
+            // activations above hardly notice. Its backward then reads none of its bf16
+            // matrices, so the engine frees an unsharded layer's bf16 weights after its
+            // forward, and the pool hands that memory to the later layers' activations: 7B
+            // measured 129.9 GiB before that release and 116.8 GiB with it (bf16: 122.8).
+            let kept = layers - recomputed;
+            acts += kept.max(1) * self.block_parameters() as u64 / tp;
+            if shard_degree <= 1 {
+                released = kept * self.block_parameters() as u64 * copy_bytes / tp;
+            }
         }
         // Allocator slack and the CUDA context.
-        (state + transient + acts) * 11 / 10 + (1 << 30)
+        (state + transient + acts - released) * 11 / 10 + (1 << 30)
     }
 
     /// How many decoder layers to recompute (activation checkpointing, first layers first) so
@@ -357,6 +361,17 @@ mod tests {
         near(bf16(&b7, 1, 0), 122.1, 0.10);
         near(bf16(&b7, 1, 8), 120.2, 0.10);
         near(bf16(&b7, 1, 16), 118.4, 0.10);
+        // FP8 layers that keep their weights' FP8 copies, the bf16 weights of each kept layer
+        // freed after its forward.
+        let fp8 = |c: &LlamaConfig| {
+            let layout = StepLayout {
+                fp8: true,
+                ..at(1, 1, 4096)
+            };
+            gib(c, &layout, 0)
+        };
+        near(fp8(&b7), 116.8, 0.10);
+        near(fp8(&b1), 25.8, 0.10);
         // Two ranks keep f32 gradients for the reduce-scatter (measured: 87.6 GiB); the
         // estimate counts NCCL's buffers and the prefetched unit only roughly.
         near(bf16(&b7, 2, 0), 87.6, 0.15);

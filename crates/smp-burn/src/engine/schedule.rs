@@ -276,6 +276,7 @@ where
 
         let mut saved: Vec<Saved<B, K>> = Vec::with_capacity(n);
         self.offloaded_bytes = 0;
+        let release = crate::fast::fp8_weight_copies_kept::<B>();
         for i in 0..n {
             let full = gathered(next_block.take(), &self.blocks[i].unit, &ctx)?;
             if prefetch {
@@ -313,7 +314,6 @@ where
                 // graph gets its own copies of the vector parameters, the kept module only what
                 // finds the gradients, and an unsharded unit gives up its compute copy: 2 bytes per
                 // parameter of every kept layer against the FP8 copies' 1.
-                let release = crate::fast::fp8_weight_copies_kept::<B>();
                 let block = if release {
                     unit.assemble_with_own_vectors(full, true, &tracked)
                 } else {
