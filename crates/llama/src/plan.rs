@@ -662,19 +662,28 @@ pub fn memory_per_gpu(w: &Workload, layout: &Layout, micro_batches: usize) -> u6
         tp: layout.tp,
         offload_horizon: layout.offload.then_some(1),
         selective_recompute: layout.selective,
-        // The trainer keeps FP8 weight copies only where they fit without recomputing more
-        // layers, so they never decide whether a layout fits.
         fp8: false,
         ..StepLayout::bf16(layout.micro_batch, w.seq_len)
+    };
+    let bf16 = w
+        .model
+        .training_memory_estimate(&step, layout.recomputed_layers);
+    // The trainer keeps FP8 weight copies only where they fit without recomputing more layers,
+    // so they never decide whether a layout fits; unsharded, the copies let a kept layer's bf16
+    // weights go after its forward, and the layout needs less than in bf16.
+    let with_fp8_copies = if layout.fp8 {
+        let fp8 = StepLayout { fp8: true, ..step };
+        w.model
+            .training_memory_estimate(&fp8, layout.recomputed_layers)
+    } else {
+        bf16
     };
     let deferred = if micro_batches > 1 && !layout.reduce_every_micro_batch {
         w.model.num_parameters() as u64 * 4 / layout.tp as u64
     } else {
         0
     };
-    w.model
-        .training_memory_estimate(&step, layout.recomputed_layers)
-        + deferred
+    bf16.min(with_fp8_copies) + deferred
 }
 
 /// Predicts one layout of `w` on `cluster` (every GPU of it), or `None` when the layout does
@@ -1188,7 +1197,8 @@ mod tests {
         (a / b - 1.0).abs() < 1e-6
     }
 
-    /// One GPU: nothing to communicate, and the memory is the one-GPU estimate.
+    /// One GPU: nothing to communicate, and the memory is the one-GPU estimate (FP8's where the
+    /// best layout runs FP8).
     #[test]
     fn one_gpu_has_no_communication() {
         let w = Workload {
@@ -1206,10 +1216,13 @@ mod tests {
         assert_eq!((best.layout.tp, best.layout.sdp, best.replicas), (1, 1, 1));
         assert_eq!(best.comm_s, 0.0);
         assert_eq!(best.layout.recomputed_layers, 0);
+        let step = StepLayout {
+            fp8: best.layout.fp8,
+            ..StepLayout::bf16(1, 4096)
+        };
         assert_eq!(
             best.memory_bytes,
-            w.model
-                .training_memory_estimate(&StepLayout::bf16(1, 4096), 0)
+            w.model.training_memory_estimate(&step, 0)
         );
     }
 
@@ -1250,6 +1263,37 @@ mod tests {
             attention_share: 1.0,
         };
         assert!(search(&w, &one_h200(), &cal).iter().all(|p| !p.layout.fp8));
+    }
+
+    /// FP8 layouts need what the trainer runs: unsharded, the weights' FP8 copies kept and each
+    /// kept layer's bf16 weights freed after its forward (7B on one H200 measured 116.8 GiB
+    /// against bf16's 122.8); sharded, no more than bf16 (the trainer drops copies that would
+    /// not fit).
+    #[test]
+    fn fp8_memory_follows_the_weight_copies() {
+        let w = Workload {
+            model: LlamaConfig::preset("7b").unwrap(),
+            seq_len: 4096,
+            global_batch_tokens: 4096,
+            attention_share: 1.0,
+        };
+        let gib = |sdp, fp8| {
+            let layout = Layout {
+                tp: 1,
+                sdp,
+                micro_batch: 1,
+                recomputed_layers: 0,
+                offload: false,
+                selective: false,
+                fp8,
+                reduce_every_micro_batch: false,
+            };
+            memory_per_gpu(&w, &layout, 1) as f64 / (1u64 << 30) as f64
+        };
+        let (bf16, fp8) = (gib(1, false), gib(1, true));
+        assert!(bf16 - fp8 > 4.0, "bf16 {bf16:.1} GiB, FP8 {fp8:.1} GiB");
+        assert!((fp8 - 116.8).abs() / 116.8 < 0.10, "FP8 {fp8:.1} GiB");
+        assert_eq!(gib(2, true), gib(2, false));
     }
 
     /// Packed documents: attention's work shrinks to the share the documents leave and is
