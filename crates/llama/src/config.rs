@@ -170,8 +170,9 @@ impl LlamaConfig {
     /// (docs/benchmarks.md lists each run beside this estimate); within 10 % of every one-GPU
     /// run measured: bf16 at S=4096 (1.2B 27.0 GiB, Llama 2 7B 112.6-122.1 GiB), FP8 (1.2B 25.8,
     /// 7B 116.8 GiB) and f32 with the reference attention (1.2B at S=2048 25.4-62.6 GiB, 7B
-    /// 123.7 GiB). Two-GPU runs are counted more roughly (f32 gradients, NCCL buffers and the prefetched unit). Its use is
-    /// to decide how many layers to recompute ([`Self::layers_to_recompute`]).
+    /// 123.7 GiB). Two-GPU runs are counted more roughly (f32 gradients, NCCL buffers and the
+    /// prefetched unit). Its use is to decide how many layers to recompute
+    /// ([`Self::layers_to_recompute`]).
     pub fn training_memory_estimate(&self, layout: &StepLayout, recomputed_layers: usize) -> u64 {
         let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
         let tokens = (layout.micro_batch * layout.seq_len) as u64;

@@ -665,25 +665,25 @@ pub fn memory_per_gpu(w: &Workload, layout: &Layout, micro_batches: usize) -> u6
         fp8: false,
         ..StepLayout::bf16(layout.micro_batch, w.seq_len)
     };
-    let bf16 = w
+    let mut need = w
         .model
         .training_memory_estimate(&step, layout.recomputed_layers);
     // The trainer keeps FP8 weight copies only where they fit without recomputing more layers,
     // so they never decide whether a layout fits; unsharded, the copies let a kept layer's bf16
     // weights go after its forward, and the layout needs less than in bf16.
-    let with_fp8_copies = if layout.fp8 {
+    if layout.fp8 {
         let fp8 = StepLayout { fp8: true, ..step };
-        w.model
-            .training_memory_estimate(&fp8, layout.recomputed_layers)
-    } else {
-        bf16
-    };
+        need = need.min(
+            w.model
+                .training_memory_estimate(&fp8, layout.recomputed_layers),
+        );
+    }
     let deferred = if micro_batches > 1 && !layout.reduce_every_micro_batch {
         w.model.num_parameters() as u64 * 4 / layout.tp as u64
     } else {
         0
     };
-    bf16.min(with_fp8_copies) + deferred
+    need + deferred
 }
 
 /// Predicts one layout of `w` on `cluster` (every GPU of it), or `None` when the layout does
