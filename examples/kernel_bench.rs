@@ -668,8 +668,31 @@ fn check_pack() -> bool {
             sq_err = sq_err.max((got - exact).abs() / exact.max(1e-30));
             start += n;
         }
+        // Accumulation over micro-batches: the same pieces added into the packed f32 buffer,
+        // once while another handle holds it (so into a copy) and once in place; each sum is
+        // one f32 addition, so bitwise the host's.
+        let mut pass_add = true;
+        if dtype == DType::F32 {
+            let want_sum: Vec<f32> = want.iter().map(|v| v + v).collect();
+            let acc = smp_burn::cuda::flat::pack(prims(), total, dtype);
+            let shared = acc.clone();
+            let into_copy = host(float(smp_burn::cuda::flat::pack_add(prims(), acc)));
+            let untouched = host(float(shared.clone()));
+            let in_place = host(float(smp_burn::cuda::flat::pack_add(prims(), shared)));
+            let same = |g: &[f32], w: &[f32]| {
+                g.len() == w.len() && g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits())
+            };
+            pass_add = same(&into_copy, &want_sum)
+                && same(&untouched, &want)
+                && same(&in_place, &want_sum);
+            println!(
+                "pack_add pieces {:?} into {total} f32 (copied, in place): {}",
+                lens,
+                if pass_add { "ok (bitwise)" } else { "FAIL" }
+            );
+        }
         // f32 partial sums over up to millions of terms, as `check_sq_sum`.
-        let pass = pass_pack && sq_err <= 1e-5;
+        let pass = pass_pack && pass_add && sq_err <= 1e-5;
         ok &= pass;
         println!(
             "pack pieces {:?} into {total} {dtype:?}: {}; sums of squares rel err {sq_err:.2e} \

@@ -64,6 +64,8 @@ fn layers_to_recompute(config: &TrainConfig, dims: &ParallelDims) -> Result<usiz
         flash_attention,
         selective_recompute: config.parallel.selective_recompute,
         fp8: smp_burn::kernel_config::fp8_recipe().enabled(),
+        accumulates_unreduced: train::accumulation_steps(config, dims.world / dims.tensor)? > 1
+            && !config.parallel.reduce_every_micro_batch,
     };
     let mut recomputed = model.layers_to_recompute(&layout, have);
     if layout.fp8 {

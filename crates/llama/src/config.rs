@@ -180,16 +180,21 @@ impl LlamaConfig {
         let tp = layout.tp.max(1) as u64;
         let ranks = shard_degree as u64 * tp;
         let f32_compute = layout.compute == Precision::F32;
-        // Master weights and two moments (f32), the gradient shard (f32 where it is reduced or
-        // computed in f32, bf16 where a unit has nothing to reduce) and, in bf16, the weight
-        // copy AdamW writes for the next gather.
-        let grad_bytes = if shard_degree <= 1 && !f32_compute {
+        // Master weights and two moments (f32), the gradient shard (f32 where it is reduced,
+        // accumulated or computed in f32, bf16 where a unit has nothing to reduce or add to)
+        // and, in bf16, the weight copy AdamW writes for the next gather.
+        let grad_bytes = if shard_degree <= 1 && !f32_compute && !layout.accumulates_unreduced {
             2
         } else {
             4
         };
         let copy_bytes = if f32_compute { 0 } else { 2 };
-        let state = self.num_parameters() as u64 * (12 + grad_bytes + copy_bytes) / ranks;
+        let mut state = self.num_parameters() as u64 * (12 + grad_bytes + copy_bytes) / ranks;
+        if layout.accumulates_unreduced && shard_degree > 1 {
+            // Sharded units keep their whole gradient (f32) until the last micro-batch reduces
+            // it; unsharded ones accumulate into the gradient counted above.
+            state += self.num_parameters() as u64 * 4 / tp;
+        }
         // The largest unit (a layer, or the embedding / head, both split over the vocabulary
         // with tensor parallelism) gathered with its gradients and their f32 flat buffer while
         // it runs.
@@ -308,6 +313,10 @@ pub struct StepLayout {
     /// The blocks' linear layers run in FP8 (`--fp8`), keeping each weight's FP8 transposed
     /// copy from the forward to the backward.
     pub fp8: bool,
+    /// Several micro-batches per optimizer step whose gradients are reduced only after the
+    /// last (FSDP's `no_sync`, the trainer's default): every unit keeps its whole gradient in
+    /// f32 from one micro-batch to the next.
+    pub accumulates_unreduced: bool,
 }
 
 impl StepLayout {
@@ -324,6 +333,7 @@ impl StepLayout {
             flash_attention: true,
             selective_recompute: false,
             fp8: false,
+            accumulates_unreduced: false,
         }
     }
 }
@@ -446,6 +456,30 @@ mod tests {
             ..f32_layout(1, 2048)
         };
         assert!(gib(&b1, &flash, 0) < gib(&b1, &f32_layout(1, 2048), 0) / 2.0);
+    }
+
+    /// Accumulating over micro-batches without reducing each keeps the gradient in f32: an
+    /// unsharded unit adds into its gradient (bf16 becomes f32, 2 bytes more per parameter), a
+    /// sharded one keeps the whole gradient beside its f32 shard (4 bytes per parameter).
+    #[test]
+    fn accumulation_keeps_f32_gradients() {
+        let b7 = LlamaConfig::preset("7b").unwrap();
+        let params = b7.num_parameters() as f64;
+        let more = |shard_degree| {
+            let once = StepLayout {
+                shard_degree,
+                ..StepLayout::bf16(1, 4096)
+            };
+            let accumulating = StepLayout {
+                accumulates_unreduced: true,
+                ..once.clone()
+            };
+            (b7.training_memory_estimate(&accumulating, 0) - b7.training_memory_estimate(&once, 0))
+                as f64
+        };
+        // Within the rounding of the integer estimate, the allocator's tenth included.
+        assert!((more(1) - params * 2.0 * 1.1).abs() < 16.0, "{}", more(1));
+        assert!((more(2) - params * 4.0 * 1.1).abs() < 16.0, "{}", more(2));
     }
 
     /// Offloading takes the recomputed layers' inputs off the device but for the horizon's

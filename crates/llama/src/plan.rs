@@ -652,8 +652,9 @@ fn least_squares(rows: &[Vec<f64>], n: usize) -> Option<Vec<f64>> {
 /// The calibration measured on one H200, embedded so that the planner works out of the box.
 const H200_CALIBRATION: &str = include_str!("plan_h200.json");
 
-/// Memory per GPU of `layout`: [`LlamaConfig::training_memory_estimate`] plus the unsharded
-/// f32 gradients the engine accumulates between micro-batches when there are several.
+/// Memory per GPU of `layout` at `micro_batches` per optimizer step:
+/// [`LlamaConfig::training_memory_estimate`], with the whole f32 gradients the engine keeps
+/// between micro-batches when there are several and the layout does not reduce after each.
 pub fn memory_per_gpu(w: &Workload, layout: &Layout, micro_batches: usize) -> u64 {
     let step = StepLayout {
         micro_batch: layout.micro_batch,
@@ -663,6 +664,7 @@ pub fn memory_per_gpu(w: &Workload, layout: &Layout, micro_batches: usize) -> u6
         offload_horizon: layout.offload.then_some(1),
         selective_recompute: layout.selective,
         fp8: false,
+        accumulates_unreduced: micro_batches > 1 && !layout.reduce_every_micro_batch,
         ..StepLayout::bf16(layout.micro_batch, w.seq_len)
     };
     let mut need = w
@@ -678,12 +680,7 @@ pub fn memory_per_gpu(w: &Workload, layout: &Layout, micro_batches: usize) -> u6
                 .training_memory_estimate(&fp8, layout.recomputed_layers),
         );
     }
-    let deferred = if micro_batches > 1 && !layout.reduce_every_micro_batch {
-        w.model.num_parameters() as u64 * 4 / layout.tp as u64
-    } else {
-        0
-    };
-    need + deferred
+    need
 }
 
 /// Predicts one layout of `w` on `cluster` (every GPU of it), or `None` when the layout does

@@ -703,6 +703,22 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                 Err(back) => pieces = back,
             }
         }
+        // An earlier micro-batch's gradient (f32, deferred): the pieces are added into it in
+        // one pass where the kernels serve them, instead of packed and then added.
+        let mut prev = self.deferred_full_grad.take();
+        if let Some(acc) = prev.take() {
+            if pieces.is_empty() {
+                prev = Some(acc);
+            } else {
+                match crate::fast::pack_add(pieces, acc) {
+                    Ok(sum) => return self.accumulated(sum, ctx, defer, unreduced),
+                    Err((back, acc)) => {
+                        pieces = back;
+                        prev = Some(acc);
+                    }
+                }
+            }
+        }
         let packed = if pieces.is_empty() {
             Ok(Tensor::zeros([self.layout.padded], &device))
         } else {
@@ -724,9 +740,22 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                 Tensor::cat(pieces, 0)
             }
         };
-        if let Some(prev) = self.deferred_full_grad.take() {
+        if let Some(prev) = prev {
             full = full + prev;
         }
+        self.accumulated(full, ctx, defer, unreduced)
+    }
+
+    /// The rest of [`Self::accumulate_grads`] once `full` holds every gradient of the step so
+    /// far: kept for a later micro-batch (`defer`), or reduced (unless `unreduced`: no group
+    /// and nothing added) and added to the shard.
+    fn accumulated(
+        &mut self,
+        full: Tensor<B::InnerBackend, 1>,
+        ctx: &FsdpContext<B::InnerBackend>,
+        defer: bool,
+        unreduced: bool,
+    ) -> Result<(), SmpError> {
         if defer {
             self.deferred_full_grad = Some(full);
             return Ok(());

@@ -71,6 +71,20 @@ fn cast_into_sq_kernel<F: Float, O: Float, N: Size>(
     }
 }
 
+/// `dst[i] += f32(src[i])` over `len` vectors of `N` elements.
+#[cube(launch_unchecked)]
+fn add_into_kernel<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    dst: &mut Tensor<Vector<f32, N>>,
+    len: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < len as usize {
+        dst[i] = dst[i] + Vector::<f32, N>::cast_from(src[i]);
+    }
+}
+
 /// `dst[i] = 0` over `len` vectors (the flat buffer's padding, a zeroed table).
 #[cube(launch_unchecked)]
 fn zero_kernel<O: Float, N: Size>(
@@ -168,6 +182,62 @@ fn width(len: usize, offset: usize) -> usize {
 /// If the pieces hold more than `total` elements, or are not on one device.
 pub fn pack(pieces: Vec<Cube>, total: usize, dtype: DType) -> Cube {
     pack_impl(pieces, total, dtype, false).0
+}
+
+/// `acc` (a flat f32 buffer, as [`pack`] made it) with `pieces` (any float dtype, 1-D) added
+/// element by element from element 0: gradient accumulation over micro-batches in one pass
+/// per piece (read the piece and the sum, write the sum: 10 bytes per bf16 gradient, where
+/// packing into a fresh f32 buffer and adding the two reads and writes 18). In place when
+/// nothing else holds `acc`, else into a copy; elements past the pieces keep their values.
+///
+/// # Panics
+/// If `acc` is not f32, the pieces hold more elements than it, or they are not on one device.
+pub fn pack_add(pieces: Vec<Cube>, acc: Cube) -> Cube {
+    assert_eq!(acc.dtype, DType::F32, "pack_add: the sum must be f32");
+    let total = acc.meta.num_elements();
+    let sizes: Vec<usize> = pieces.iter().map(|p| p.meta.num_elements()).collect();
+    let used: usize = sizes.iter().sum();
+    assert!(
+        used <= total,
+        "pack_add: pieces hold {used} elements, the sum {total}"
+    );
+    assert!(
+        total < u32::MAX as usize,
+        "pack_add: {total} elements are too many for 32-bit indexing"
+    );
+    let acc = if acc.can_mut() && acc.is_contiguous_buffer() {
+        acc
+    } else {
+        acc.copy()
+    };
+    let client = acc.client.clone();
+    let (shapes, _, _) = piece_plan(&sizes);
+    let mut offset = 0;
+    for (piece, (nv, len)) in pieces.into_iter().zip(shapes) {
+        let piece = into_contiguous(piece);
+        let n = piece.meta.num_elements();
+        if n == 0 {
+            continue;
+        }
+        let src_dtype = piece.dtype;
+        let dim = CubeDim::new_1d(THREADS as u32);
+        // SAFETY: the kernel guards `i < len`, the vector count of both the piece and its
+        // `n`-element window of the sum.
+        unsafe {
+            add_into_kernel::launch_unchecked::<CudaRuntime>(
+                &client,
+                calculate_cube_count_elemwise(&client, len, dim),
+                dim,
+                nv,
+                piece.into_tensor_arg(),
+                view(&acc, offset..offset + n).into_tensor_arg(),
+                len as u32,
+                src_dtype.into(),
+            );
+        }
+        offset += n;
+    }
+    acc
 }
 
 /// Per-piece sums of squares as [`pack_with_sq_sums`] leaves them: the f32 partials and, for

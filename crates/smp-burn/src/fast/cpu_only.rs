@@ -153,6 +153,14 @@ pub(crate) fn pack<B: Backend>(
 }
 
 #[allow(clippy::type_complexity)]
+pub(crate) fn pack_add<B: Backend>(
+    pieces: Vec<Tensor<B, 1>>,
+    acc: Tensor<B, 1>,
+) -> Result<Tensor<B, 1>, (Vec<Tensor<B, 1>>, Tensor<B, 1>)> {
+    Err((pieces, acc))
+}
+
+#[allow(clippy::type_complexity)]
 pub(crate) fn pack_with_sq_sums<B: Backend>(
     pieces: Vec<Tensor<B, 1>>,
     _: usize,

@@ -653,6 +653,31 @@ pub(crate) fn pack<B: Backend>(
     Ok(tensor(flat))
 }
 
+/// `acc` (a flat f32 gradient, taken by value so that the kernel can add in place) plus
+/// `pieces` packed back to back ([`crate::cuda::flat::pack_add`]) on a plain CUDA backend;
+/// `Err((pieces, acc))` hands both back for the reference (`pack`, then `+`).
+#[allow(clippy::type_complexity)]
+pub(crate) fn pack_add<B: Backend>(
+    pieces: Vec<Tensor<B, 1>>,
+    acc: Tensor<B, 1>,
+) -> Result<Tensor<B, 1>, (Vec<Tensor<B, 1>>, Tensor<B, 1>)> {
+    if !packs_on_cuda::<B>(&pieces, DType::F32) || acc.dtype() != DType::F32 {
+        return Err((pieces, acc));
+    }
+    let total = acc.dims()[0];
+    let f: CubeFn = Arc::new(move |mut inputs: Vec<Cube>| {
+        let acc = inputs.pop().expect("the sum comes last");
+        vec![crate::cuda::flat::pack_add(inputs, acc)]
+    });
+    let mut args: Vec<Arg<B>> = pieces.iter().map(float).collect();
+    args.push(Arg::Float(acc.into_primitive().tensor()));
+    let out = vec![([total].into(), DType::F32)];
+    let sum = run_plain::<B>("smp_burn.pack_add", args, out, f)
+        .and_then(|mut v| v.pop())
+        .expect("served backend checked above");
+    Ok(tensor(sum))
+}
+
 /// [`pack`] with the sum of squares of each piece's packed values, as f32 partial sums and a
 /// range of them per piece ([`crate::cuda::flat::pack_with_sq_sums`]); reduce ranges with
 /// [`weighted_sum`]. `Err(pieces)` as [`pack`].
