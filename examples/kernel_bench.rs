@@ -650,10 +650,10 @@ fn check_pack() -> bool {
         let got_sq = host(float(flat_sq));
         // A cast is exact: the packed buffer must equal cast + cat bit for bit, with or
         // without the sums of squares.
-        let bitwise = |g: &[f32]| {
-            g.len() == want.len() && g.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits())
+        let same = |g: &[f32], w: &[f32]| {
+            g.len() == w.len() && g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits())
         };
-        let pass_pack = bitwise(&got) && bitwise(&got_sq);
+        let pass_pack = same(&got, &want) && same(&got_sq, &want);
         // Each piece's sum of squares (of its packed values) against an f64 host sum.
         let mut sq_err = 0f64;
         let mut start = 0;
@@ -679,9 +679,6 @@ fn check_pack() -> bool {
             let into_copy = host(float(smp_burn::cuda::flat::pack_add(prims(), acc)));
             let untouched = host(float(shared.clone()));
             let in_place = host(float(smp_burn::cuda::flat::pack_add(prims(), shared)));
-            let same = |g: &[f32], w: &[f32]| {
-                g.len() == w.len() && g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits())
-            };
             pass_add = same(&into_copy, &want_sum)
                 && same(&untouched, &want)
                 && same(&in_place, &want_sum);

@@ -706,16 +706,12 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         // An earlier micro-batch's gradient (f32, deferred): the pieces are added into it in
         // one pass where the kernels serve them, instead of packed and then added.
         let mut prev = self.deferred_full_grad.take();
-        if let Some(acc) = prev.take() {
-            if pieces.is_empty() {
-                prev = Some(acc);
-            } else {
-                match crate::fast::pack_add(pieces, acc) {
-                    Ok(sum) => return self.accumulated(sum, ctx, defer, unreduced),
-                    Err((back, acc)) => {
-                        pieces = back;
-                        prev = Some(acc);
-                    }
+        if let Some(acc) = prev.take_if(|_| !pieces.is_empty()) {
+            match crate::fast::pack_add(pieces, acc) {
+                Ok(sum) => return self.accumulated(sum, ctx, defer, unreduced),
+                Err((back, acc)) => {
+                    pieces = back;
+                    prev = Some(acc);
                 }
             }
         }

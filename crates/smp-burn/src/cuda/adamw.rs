@@ -28,7 +28,7 @@ use std::ops::Range;
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 
-use super::flat::view;
+use super::flat::{view, writable};
 use super::fused::cube_sum;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
@@ -272,16 +272,6 @@ fn weighted_reduce(x: Cube, runs: &[(Range<usize>, f32)], square: bool) -> Cube 
 
 fn is_float(d: DType) -> bool {
     matches!(d, DType::F32 | DType::BF16 | DType::F16)
-}
-
-/// A buffer the kernel may overwrite: `t` itself when nothing else holds it, else a copy (a
-/// checkpoint writer or a gather in flight may still read the old values).
-fn writable(t: Cube) -> Cube {
-    if t.can_mut() && t.is_contiguous_buffer() {
-        t
-    } else {
-        t.copy()
-    }
 }
 
 /// Runs AdamW over a shard in place and returns `(master, exp_avg, exp_avg_sq)` and, when

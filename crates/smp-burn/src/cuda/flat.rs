@@ -123,6 +123,16 @@ fn fill_zero(client: &ComputeClient<CudaRuntime>, t: Cube, offset: usize) {
     }
 }
 
+/// A buffer a kernel may overwrite: `t` itself when nothing else holds it, else a copy (a
+/// checkpoint writer or a gather in flight may still read the old values).
+pub(crate) fn writable(t: Cube) -> Cube {
+    if t.can_mut() && t.is_contiguous_buffer() {
+        t
+    } else {
+        t.copy()
+    }
+}
+
 /// A view of elements `range` of a contiguous 1-D tensor, sharing its buffer.
 pub(crate) fn view(t: &Cube, range: Range<usize>) -> Cube {
     let total = t.meta.shape()[0];
@@ -205,11 +215,7 @@ pub fn pack_add(pieces: Vec<Cube>, acc: Cube) -> Cube {
         total < u32::MAX as usize,
         "pack_add: {total} elements are too many for 32-bit indexing"
     );
-    let acc = if acc.can_mut() && acc.is_contiguous_buffer() {
-        acc
-    } else {
-        acc.copy()
-    };
+    let acc = writable(acc);
     let client = acc.client.clone();
     let (shapes, _, _) = piece_plan(&sizes);
     let mut offset = 0;
