@@ -521,6 +521,15 @@ fn chunks(tokens: usize, chunk_tokens: usize) -> impl Iterator<Item = (usize, us
         .map(move |start| (start, chunk_tokens.min(tokens - start)))
 }
 
+/// The sum of a 1-D f32 tensor, the same bits every run: Burn's `sum` adds with atomics on
+/// CUDA, in an order that changes between runs, where the two-pass reduction of
+/// [`crate::fast::weighted_sum`] serves. Used for the reported losses, so that a
+/// deterministic run repeats them exactly.
+pub(crate) fn repeatable_sum<B: Backend>(t: Tensor<B, 1>) -> Tensor<B, 1> {
+    let [len] = t.dims();
+    crate::fast::weighted_sum(&t, &[(0..len, 1.0)]).unwrap_or_else(|| t.sum())
+}
+
 /// The chunked forward: the mean loss (`[1]`, f32) and, when `keep_lse`, the per-token
 /// log-sum-exp of the logits (`[tokens]`, f32) that the backward needs, and with it the logits
 /// themselves when one chunk holds every token (the backward then skips recomputing them).
@@ -547,7 +556,7 @@ fn lce_forward<B: Backend>(
         // The fused kernel reads the targets as they are (an ignored one scores 0).
         let t = targets.clone().narrow(0, start, len);
         let (lse, sum) = match crate::fast::xent_row_stats(&logits, &t) {
-            Some((lse, loss)) => (lse, loss.sum()),
+            Some((lse, loss)) => (lse, repeatable_sum(loss)),
             None => {
                 let logits = logits.cast(DType::F32);
                 let t = safe.clone().narrow(0, start, len);

@@ -183,7 +183,7 @@ fn forward<B: Backend>(
     let sums = tp.all_reduce(Tensor::cat(vec![rescaled, picked], 0), ReduceOp::Sum)?;
     let lse = sums.clone().narrow(0, 0, tokens).log() + max;
     let target = sums.narrow(0, tokens, tokens);
-    let loss = ((lse.clone() - target) * scored).sum().div(divisor);
+    let loss = ops::repeatable_sum((lse.clone() - target) * scored).div(divisor);
     Ok((loss, keep.then_some(lse)))
 }
 
