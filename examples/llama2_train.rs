@@ -28,20 +28,28 @@ use burn::backend::{Autodiff, NdArray};
 use collectives::{CommOptions, Communicator, RendezvousConfig, run_on_threads};
 use llama::LlamaError;
 #[cfg(feature = "cuda")]
-use llama::config::StepLayout;
+use llama::config::{Recomputation, StepLayout};
 use llama::train::{self, Prepared, ResolvedConfig, Summary, TrainConfig};
 use smp_burn::mesh::Mesh;
 use smp_burn::{KernelConfig, ParallelDims};
 
-/// How many decoder layers to recompute so that the run fits one GPU
-/// (`LlamaConfig::layers_to_recompute`, from the memory estimate); all of them when the device
-/// cannot be asked.
+/// Which decoder layers to recompute so that the run fits one GPU, from the memory estimate:
+/// with `choose_selective`, full or selective recomputation as `LlamaConfig::recomputation`
+/// finds cheaper, otherwise as the configuration says (`LlamaConfig::layers_to_recompute`).
+/// All of them, fully, when the device cannot be asked.
 #[cfg(feature = "cuda")]
-fn layers_to_recompute(config: &TrainConfig, dims: &ParallelDims) -> Result<usize, DynError> {
+fn recomputation(
+    config: &TrainConfig,
+    dims: &ParallelDims,
+    choose_selective: bool,
+) -> Result<Recomputation, DynError> {
     let model = train::model_config(config, 1)?;
     let layers = model.num_hidden_layers;
     let Some(have) = smp_burn::cuda::cuda_device_memory(0) else {
-        return Ok(layers);
+        return Ok(Recomputation {
+            layers,
+            selective: config.parallel.selective_recompute,
+        });
     };
     let compute = config.parallel.param_dtype;
     // The flash kernels' own test of shapes and dtype, on the first GPU's architecture.
@@ -67,7 +75,18 @@ fn layers_to_recompute(config: &TrainConfig, dims: &ParallelDims) -> Result<usiz
         accumulates_unreduced: train::accumulation_steps(config, dims.world / dims.tensor)? > 1
             && !config.parallel.reduce_every_micro_batch,
     };
-    let mut recomputed = model.layers_to_recompute(&layout, have);
+    let plan = |layout: &StepLayout| {
+        if choose_selective {
+            model.recomputation(layout, have)
+        } else {
+            Recomputation {
+                layers: model.layers_to_recompute(layout, have),
+                selective: layout.selective_recompute,
+            }
+        }
+    };
+    let mut chosen = plan(&layout);
+    layout.selective_recompute = chosen.selective;
     if layout.fp8 {
         // FP8 keeps each weight's FP8 copy for the backward (a few % of a step) only where it
         // costs no recomputed layer (a third of a layer's compute each).
@@ -75,26 +94,33 @@ fn layers_to_recompute(config: &TrainConfig, dims: &ParallelDims) -> Result<usiz
             fp8: false,
             ..layout.clone()
         };
-        let fewer = model.layers_to_recompute(&without_copies, have);
-        if fewer < recomputed {
+        let fewer = plan(&without_copies);
+        if fewer.layers < chosen.layers {
             smp_burn::cuda::fp8::keep_weight_copies(false);
             tracing::info!(
                 "FP8: the backward casts each weight again instead of keeping its FP8 copy \
                  from the forward: the copies would need {} more recomputed layers to fit \
                  (--checkpointed-layers N keeps them)",
-                recomputed - fewer
+                chosen.layers - fewer.layers
             );
-            (layout, recomputed) = (without_copies, fewer);
+            (layout, chosen) = (without_copies, fewer);
+            layout.selective_recompute = chosen.selective;
         }
     }
     let need = |n| model.training_memory_estimate(&layout, n);
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
-        "activation checkpointing: recomputing {recomputed} of {layers} layers; this run needs \
-         about {:.0} GiB per GPU ({:.0} GiB recomputing none{}), {:.0} GiB is {} % of the GPU \
-         (--activation-checkpointing and --checkpointed-layers, or the config file's keys, \
-         override)",
-        gib(need(recomputed)),
+        "activation checkpointing: recomputing {} of {layers} layers{}; this run needs about \
+         {:.0} GiB per GPU ({:.0} GiB recomputing none{}), {:.0} GiB is {} % of the GPU \
+         (--activation-checkpointing, --checkpointed-layers and --selective-recompute, or the \
+         config file's keys, override)",
+        chosen.layers,
+        if chosen.selective && chosen.layers > 0 {
+            " selectively (their attention outputs kept)"
+        } else {
+            ""
+        },
+        gib(need(chosen.layers)),
         gib(need(0)),
         if flash_attention {
             ""
@@ -104,19 +130,7 @@ fn layers_to_recompute(config: &TrainConfig, dims: &ParallelDims) -> Result<usiz
         gib(have / 100 * llama::config::MEMORY_BUDGET_PERCENT),
         llama::config::MEMORY_BUDGET_PERCENT
     );
-    if recomputed > 0 && !layout.selective_recompute && flash_attention {
-        let selective = StepLayout {
-            selective_recompute: true,
-            ..layout.clone()
-        };
-        tracing::info!(
-            "activation checkpointing: --selective-recompute would keep the recomputed layers' \
-             attention outputs ({:.1} GiB more) so that their recomputation skips attention's \
-             forward (Llama 2 7B at S=32,768: 1.10x faster)",
-            gib(model.training_memory_estimate(&selective, recomputed) - need(recomputed))
-        );
-    }
-    Ok(recomputed)
+    Ok(chosen)
 }
 
 /// Peak resident memory of this process (CPU runs), from /proc.
@@ -204,8 +218,9 @@ fn cuda_device_name(gpu: usize) -> Option<String> {
     cudarc::driver::result::device::get_name(device).ok()
 }
 
-/// Recomputes as few layers as fit the GPU, unless the user fixed which ones (a flag or a
-/// config file key: `activation_checkpointing`, `checkpointed_layers`).
+/// Recomputes as few layers as fit the GPU, unless the user fixed which ones (a flag or a config
+/// file key: `activation_checkpointing`, `checkpointed_layers`); fully or selectively, whichever
+/// repeats fewer FLOPs, unless the user set `selective_recompute`.
 #[cfg(feature = "cuda")]
 fn fit_to_gpu(
     resolved: &ResolvedConfig,
@@ -215,10 +230,12 @@ fn fit_to_gpu(
     if !resolved.is_explicit("parallel.activation_checkpointing")
         && !resolved.is_explicit("parallel.checkpointed_layers")
     {
-        let recomputed = layers_to_recompute(&config, dims)?;
-        config.parallel.activation_checkpointing = recomputed > 0;
-        config.parallel.checkpointed_layers = Some(recomputed);
-        if recomputed == 0 && config.parallel.activation_offloading {
+        let choose_selective = !resolved.is_explicit("parallel.selective_recompute");
+        let chosen = recomputation(&config, dims, choose_selective)?;
+        config.parallel.activation_checkpointing = chosen.layers > 0;
+        config.parallel.checkpointed_layers = Some(chosen.layers);
+        config.parallel.selective_recompute = chosen.selective && chosen.layers > 0;
+        if chosen.layers == 0 && config.parallel.activation_offloading {
             // Offloading moves what recomputed layers keep; with none there is nothing to move.
             tracing::info!(
                 "activation offloading: off, since no layer needs recomputing to fit the GPU \

@@ -267,6 +267,59 @@ impl LlamaConfig {
             .unwrap_or(self.num_hidden_layers)
     }
 
+    /// How many layers to recompute, and whether selectively, when the run leaves both to the
+    /// planner: the fewest layers recomputed in full ([`Self::layers_to_recompute`]) or the
+    /// fewest recomputed selectively, whichever repeats fewer forward FLOPs
+    /// ([`Self::recompute_flops_per_token`]). Selective recomputation keeps one more
+    /// `seq x hidden` tensor per recomputed layer, so it may need more of them to fit; it is
+    /// only taken where it fits the budget and where attention runs as the flash kernels (the
+    /// only ones whose output it keeps). At S=32,768 attention's forward is 40 % of a Llama 2
+    /// 7B layer's, at S=4096 8 %.
+    pub fn recomputation(&self, layout: &StepLayout, device_bytes: u64) -> Recomputation {
+        let full_layout = StepLayout {
+            selective_recompute: false,
+            ..layout.clone()
+        };
+        let full = Recomputation {
+            layers: self.layers_to_recompute(&full_layout, device_bytes),
+            selective: false,
+        };
+        if full.layers == 0 || !layout.flash_attention {
+            return full;
+        }
+        let selective_layout = StepLayout {
+            selective_recompute: true,
+            ..layout.clone()
+        };
+        let selective = Recomputation {
+            layers: self.layers_to_recompute(&selective_layout, device_bytes),
+            selective: true,
+        };
+        let budget = device_bytes / 100 * MEMORY_BUDGET_PERCENT;
+        let fits = self.training_memory_estimate(&selective_layout, selective.layers) <= budget;
+        let cost = |r: &Recomputation| {
+            r.layers as f64 * self.recompute_flops_per_token(layout.seq_len, r.selective)
+        };
+        if fits && cost(&selective) < cost(&full) {
+            selective
+        } else {
+            full
+        }
+    }
+
+    /// Forward FLOPs per token that recomputing one decoder layer repeats: its matrix products
+    /// (two per parameter) and, unless `selective` (which keeps attention's output), attention's
+    /// score and value products over the causal half of `seq_len` keys.
+    pub fn recompute_flops_per_token(&self, seq_len: usize, selective: bool) -> f64 {
+        let linear = 2.0 * self.block_parameters() as f64;
+        let attention = 2.0 * (self.hidden_size * seq_len) as f64;
+        if selective {
+            linear
+        } else {
+            linear + attention
+        }
+    }
+
     /// Training FLOPs per token as MFU counts them (the PaLM paper's convention, as torchtitan
     /// computes it): `6 * N + 12 * L * H * S`, N = parameters outside the token embedding (LM
     /// head included); the second term is attention's score and value products, counted as if
@@ -286,6 +339,16 @@ impl LlamaConfig {
 /// already adds a tenth for the allocator; 7B on one H200 ran at 87 % of it (122.1 of
 /// 139.8 GiB) with no layer recomputed.
 pub const MEMORY_BUDGET_PERCENT: u64 = 92;
+
+/// Which decoder layers recompute their forward in the backward: the first `layers`, fully or,
+/// with `selective`, keeping their attention's output ([`LlamaConfig::recomputation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recomputation {
+    /// How many of the first layers recompute (0: none).
+    pub layers: usize,
+    /// Whether they keep their attention's output and statistics.
+    pub selective: bool,
+}
 
 /// How one training step is laid out on a GPU, as far as its memory goes: what
 /// [`LlamaConfig::training_memory_estimate`] needs besides the model's shape.
@@ -500,6 +563,49 @@ mod tests {
         assert!((saved - 29.0 * 0.5 * 1.1).abs() < 0.1, "{saved}");
         assert_eq!(gib(0, None), gib(0, Some(2)));
         assert!(gib(32, Some(40)) == gib(32, None));
+    }
+
+    /// Left to the planner, recomputation is selective where that fits and repeats fewer FLOPs:
+    /// Llama 2 7B on one H200 recomputes nothing at S=4096, selectively at S=16,384 (attention's
+    /// forward there a quarter of a layer's), and fully where selective recomputation of every
+    /// layer does not fit; never selectively with the reference attention, whose output it
+    /// cannot keep.
+    #[test]
+    fn recomputation_is_selective_where_it_repeats_less() {
+        let b7 = LlamaConfig::preset("7b").unwrap();
+        let h200 = (139.8 * GIB) as u64;
+        let budget = h200 / 100 * MEMORY_BUDGET_PERCENT;
+        let none = Recomputation {
+            layers: 0,
+            selective: false,
+        };
+        assert_eq!(b7.recomputation(&StepLayout::bf16(1, 4096), h200), none);
+        let at16k = StepLayout::bf16(1, 16384);
+        let chosen = b7.recomputation(&at16k, h200);
+        let full = b7.layers_to_recompute(&at16k, h200);
+        assert!(
+            chosen.selective && chosen.layers >= full,
+            "{chosen:?}, {full} full"
+        );
+        let selective = StepLayout {
+            selective_recompute: true,
+            ..at16k.clone()
+        };
+        assert!(b7.training_memory_estimate(&selective, chosen.layers) <= budget);
+        assert!(
+            chosen.layers as f64 * b7.recompute_flops_per_token(16384, true)
+                < full as f64 * b7.recompute_flops_per_token(16384, false)
+        );
+        // At S=65,536 only full recomputation of every layer comes near the budget.
+        let long = b7.recomputation(&StepLayout::bf16(1, 65536), h200);
+        assert_eq!((long.layers, long.selective), (32, false));
+        let reference = StepLayout {
+            flash_attention: false,
+            ..at16k
+        };
+        assert!(!b7.recomputation(&reference, h200).selective);
+        // The choice ignores what the layout asked for: it is the planner's to make.
+        assert_eq!(b7.recomputation(&selective, h200), chosen);
     }
 
     /// Selective recomputation keeps each recomputed layer's attention output (Llama 2 7B at

@@ -293,8 +293,10 @@ struct ParallelFlags {
     checkpointed_layers: Option<usize>,
     /// Recomputed layers also keep their attention's output and statistics, so that their
     /// recomputation skips attention's forward (at long sequences the larger part of it) for
-    /// one more `seq x hidden` tensor per layer; on CUDA the memory estimate counts it.
-    #[arg(long)]
+    /// one more `seq x hidden` tensor per layer; on CUDA the memory estimate counts it. Alone
+    /// it means true. On CUDA, unless this, `activation_checkpointing` or `checkpointed_layers`
+    /// is set, the planner chooses it where it repeats fewer FLOPs than recomputing fully.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     selective_recompute: bool,
     /// Keep the input of each recomputed layer in host memory between its forward and its
     /// backward (SMP's activation offloading; implies `activation_checkpointing`). On CUDA
@@ -555,11 +557,12 @@ pub struct ResolvedConfig {
 
 /// Keys whose default follows other settings or the GPU, left out of a written config file
 /// unless the user set them, so that reading it back derives them again.
-const DERIVED_KEYS: [&str; 4] = [
+const DERIVED_KEYS: [&str; 5] = [
     "export_hf",
     "parallel.param_dtype",
     "parallel.activation_checkpointing",
     "parallel.checkpointed_layers",
+    "parallel.selective_recompute",
 ];
 
 /// The top-level keys whose fields are flags too (flattened sections).
@@ -578,7 +581,8 @@ impl ResolvedConfig {
 
     /// The configuration as a TOML file: every key, but those whose defaults derive from other
     /// settings (`export_hf`, `parallel.param_dtype`, `parallel.activation_checkpointing`,
-    /// `parallel.checkpointed_layers`) where the user left them to the trainer.
+    /// `parallel.checkpointed_layers`, `parallel.selective_recompute`) where the user left them
+    /// to the trainer.
     pub fn to_toml(&self) -> String {
         let mut table = String::new();
         let mut body = String::new();
