@@ -2535,6 +2535,15 @@ mod tests {
         );
         let r = args(&["--selective-recompute"]).unwrap();
         assert!(r.config.parallel.selective_recompute);
+        // `false` said out loud keeps the planner from choosing it.
+        let r = args(&["--selective-recompute", "false"]).unwrap();
+        assert!(!r.config.parallel.selective_recompute);
+        assert!(r.is_explicit("parallel.selective_recompute"));
+        assert!(
+            !args(&[])
+                .unwrap()
+                .is_explicit("parallel.selective_recompute")
+        );
         let f = file("[parallel]\ncheckpointed_layers = 3\nactivation_checkpointing = false\n");
         let e = config_error(with_file(&f, &[]));
         assert!(
