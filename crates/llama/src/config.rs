@@ -291,25 +291,19 @@ impl LlamaConfig {
     /// only ones whose output it keeps). At S=32,768 attention's forward is 40 % of a Llama 2
     /// 7B layer's, at S=4096 8 %.
     pub fn recomputation(&self, layout: &StepLayout, device_bytes: u64) -> Recomputation {
-        let full_layout = StepLayout {
-            selective_recompute: false,
-            ..layout.clone()
+        let plan = |selective| {
+            let at = StepLayout {
+                selective_recompute: selective,
+                ..layout.clone()
+            };
+            let layers = self.layers_to_recompute(&at, device_bytes);
+            (Recomputation { layers, selective }, at)
         };
-        let full = Recomputation {
-            layers: self.layers_to_recompute(&full_layout, device_bytes),
-            selective: false,
-        };
+        let (full, _) = plan(false);
         if full.layers == 0 || !layout.flash_attention {
             return full;
         }
-        let selective_layout = StepLayout {
-            selective_recompute: true,
-            ..layout.clone()
-        };
-        let selective = Recomputation {
-            layers: self.layers_to_recompute(&selective_layout, device_bytes),
-            selective: true,
-        };
+        let (selective, selective_layout) = plan(true);
         let budget = device_bytes / 100 * MEMORY_BUDGET_PERCENT;
         let fits = self.training_memory_estimate(&selective_layout, selective.layers) <= budget;
         let cost = |r: &Recomputation| {
