@@ -86,7 +86,6 @@ fn recomputation(
         }
     };
     let mut chosen = plan(&layout);
-    layout.selective_recompute = chosen.selective;
     if layout.fp8 {
         // FP8 keeps each weight's FP8 copy for the backward (a few % of a step) only where it
         // costs no recomputed layer (a third of a layer's compute each).
@@ -104,10 +103,13 @@ fn recomputation(
                 chosen.layers - fewer.layers
             );
             (layout, chosen) = (without_copies, fewer);
-            layout.selective_recompute = chosen.selective;
         }
     }
-    let need = |n| model.training_memory_estimate(&layout, n);
+    let chosen_layout = StepLayout {
+        selective_recompute: chosen.selective,
+        ..layout
+    };
+    let need = |n| model.training_memory_estimate(&chosen_layout, n);
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
         "activation checkpointing: recomputing {} of {layers} layers{}; this run needs about \
