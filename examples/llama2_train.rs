@@ -74,6 +74,7 @@ fn recomputation(
         fp8: smp_burn::kernel_config::fp8_recipe().enabled(),
         accumulates_unreduced: train::accumulation_steps(config, dims.world / dims.tensor)? > 1
             && !config.parallel.reduce_every_micro_batch,
+        adamw_moments: config.adamw.moments,
     };
     let plan = |layout: &StepLayout| {
         if choose_selective {

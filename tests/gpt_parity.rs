@@ -63,6 +63,7 @@ fn adamw() -> AdamW {
         beta2: 0.95,
         eps: 1e-2,
         weight_decay: 0.1,
+        ..AdamW::default()
     }
 }
 

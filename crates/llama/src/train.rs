@@ -2427,7 +2427,7 @@ mod tests {
         let f = file(
             "steps = 7\nseq_len = 64\ncheckpoint_interval = 5\n\n[parallel]\n\
              tensor_parallel_degree = 2\n\n[kernels]\ndeterministic = true\n\n[adamw]\n\
-             eps = 1e-3\n",
+             eps = 1e-3\nmoments = \"bf16\"\n",
         );
         let r = with_file(&f, &["--steps", "9", "--prefetch-depth", "0"]).unwrap();
         let c = &r.config;
@@ -2439,6 +2439,7 @@ mod tests {
         assert_eq!(c.parallel.prefetch_depth, 0);
         assert_eq!(c.kernels.deterministic, Some(true));
         assert_eq!(c.adamw.eps, 1e-3);
+        assert_eq!(c.adamw.moments, smp_burn::fsdp::MomentDtype::Bf16);
         // Nothing else moved: not the other keys of the sections, not the top-level ones.
         assert_eq!(
             TrainConfig {

@@ -61,7 +61,7 @@ use crate::comm::{PendingCollective, PendingGather, TensorComm};
 use crate::config::ParallelConfig;
 use crate::error::SmpError;
 use crate::init::{InitSlice, normal_values};
-pub use crate::optim::AdamW;
+pub use crate::optim::{AdamW, MomentDtype};
 use crate::optim::{Group, Optimizer, RunRates, RunState, ShardOptimizer};
 
 /// Communication and precision settings shared by every unit of a model on one rank.
@@ -332,6 +332,8 @@ pub struct ShardedUnit<B: AutodiffBackend, M: Module<B>> {
     pending_grad: Option<PendingCollective<B::InnerBackend>>,
     /// AdamW's first and second moments of this rank's chunk; `None` under another optimizer.
     moments: Option<[Tensor<B::InnerBackend, 1>; 2]>,
+    /// The dtype the moments are kept in ([`Self::set_moment_dtype`]).
+    moment_dtype: MomentDtype,
     /// Another optimizer's state, one entry per run of [`Self::group_runs`].
     run_states: Vec<Option<RunState>>,
     /// Each parameter's optimizer group, in layout order.
@@ -405,6 +407,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             deferred_full_grad: None,
             pending_grad: None,
             moments: Some([zeros.clone(), zeros]),
+            moment_dtype: MomentDtype::F32,
             run_states: Vec::new(),
             groups,
             external,
@@ -431,6 +434,42 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     /// Each parameter's optimizer group, in layout order.
     pub fn groups(&self) -> &[Group] {
         &self.groups
+    }
+
+    /// Keeps AdamW's moments in `dtype` from now on (they are converted, values rounded to
+    /// nearest). Where the backend has no bf16 tensors they stay f32 holding bf16-rounded
+    /// values (see [`MomentDtype`]).
+    pub fn set_moment_dtype(&mut self, dtype: MomentDtype) {
+        self.moment_dtype = dtype;
+        if let Some(moments) = self.moments.take() {
+            self.moments = Some(moments.map(|t| self.stored_moment(t)));
+        }
+    }
+
+    /// `t` (any float dtype) as this unit keeps a moment: f32, or rounded to bf16 (stored as
+    /// bf16 where the backend has it).
+    fn stored_moment(&self, t: Tensor<B::InnerBackend, 1>) -> Tensor<B::InnerBackend, 1> {
+        match self.moment_dtype {
+            MomentDtype::F32 => t.cast(FloatDType::F32),
+            MomentDtype::Bf16 => {
+                if B::InnerBackend::supports_dtype(&t.device(), DType::BF16) {
+                    t.cast(FloatDType::BF16)
+                } else {
+                    let device = t.device();
+                    let n = t.dims()[0];
+                    let values: Vec<f32> = t
+                        .into_data()
+                        .convert::<f32>()
+                        .to_vec()
+                        .expect("a float tensor reads as f32");
+                    let rounded: Vec<f32> = values
+                        .into_iter()
+                        .map(|v| burn::tensor::bf16::from_f32(v).to_f32())
+                        .collect();
+                    Tensor::from_data(TensorData::new(rounded, [n]), &device)
+                }
+            }
+        }
     }
 
     /// Frees AdamW's moments: another optimizer steps this unit (its state is made on the first
@@ -955,8 +994,8 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         let [master, exp_avg, exp_avg_sq] = state;
         let g = grad.cast(FloatDType::F32) * grad_scale;
         let (b1, b2) = (opt.beta1, opt.beta2);
-        let exp_avg = exp_avg * b1 + g.clone() * (1.0 - b1);
-        let exp_avg_sq = exp_avg_sq * b2 + g.square() * (1.0 - b2);
+        let exp_avg = exp_avg.cast(FloatDType::F32) * b1 + g.clone() * (1.0 - b1);
+        let exp_avg_sq = exp_avg_sq.cast(FloatDType::F32) * b2 + g.square() * (1.0 - b2);
         let bias1 = 1.0 - b1.powi(step as i32);
         let bias2 = 1.0 - b2.powi(step as i32);
         let denom = (exp_avg_sq.clone() / bias2).sqrt() + opt.eps;
@@ -978,7 +1017,8 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         let decay_each = fill(&|r| r.weight_decay);
         let decayed = master.clone() - master * decay_each * lr_each.clone();
         self.master = decayed - update * lr_each;
-        self.moments = Some([exp_avg, exp_avg_sq]);
+        // The update above took the moments before rounding, as the fused kernel does.
+        self.moments = Some([self.stored_moment(exp_avg), self.stored_moment(exp_avg_sq)]);
         Ok(())
     }
 
@@ -1050,8 +1090,11 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         } else {
             0
         };
-        let moments = if self.moments.is_some() { 2 * shard } else { 0 };
-        4 * (shard + moments + deferred) + grad + compute
+        let moments = self
+            .moments
+            .as_ref()
+            .map_or(0, |m| m.iter().map(|t| t.dtype().size() * shard).sum());
+        4 * (shard + deferred) + moments + grad + compute
     }
 
     /// Overwrites this rank's chunk of `kind` with values from `init` (as in [`Self::new`]):
@@ -1071,6 +1114,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             }
             StateKind::ExpAvg | StateKind::ExpAvgSq => {
                 let index = usize::from(kind == StateKind::ExpAvgSq);
+                let t = self.stored_moment(t);
                 self.moments_mut()?[index] = t;
             }
         }
@@ -1106,7 +1150,13 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     pub fn shard_state(&self) -> Result<[Tensor<B::InnerBackend, 1>; 3], SmpError> {
         self.assert_grads_finished("shard_state");
         let [a, s] = self.moments()?;
-        Ok([self.master.clone(), a.clone(), s.clone()])
+        // Checkpoints hold f32 whatever the moments' dtype: bf16 values are exact in f32, and a
+        // checkpoint loads into a run that keeps them in either dtype.
+        Ok([
+            self.master.clone(),
+            a.clone().cast(FloatDType::F32),
+            s.clone().cast(FloatDType::F32),
+        ])
     }
 
     /// Replaces this rank's shard state (from a checkpoint); lengths must match.
@@ -1125,7 +1175,8 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             }
         }
         let [m, a, s] = state;
-        *self.moments_mut()? = [a.cast(FloatDType::F32), s.cast(FloatDType::F32)];
+        let moments = [self.stored_moment(a), self.stored_moment(s)];
+        *self.moments_mut()? = moments;
         self.master = m.cast(FloatDType::F32);
         self.compute = None;
         Ok(())
@@ -1141,8 +1192,8 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         self.assert_grads_finished("gather_full_f32");
         let shard = match which {
             StateKind::Weights => self.master.clone(),
-            StateKind::ExpAvg => self.moments()?[0].clone(),
-            StateKind::ExpAvgSq => self.moments()?[1].clone(),
+            StateKind::ExpAvg => self.moments()?[0].clone().cast(FloatDType::F32),
+            StateKind::ExpAvgSq => self.moments()?[1].clone().cast(FloatDType::F32),
         };
         let full = if self.degree == 1 {
             shard

@@ -77,6 +77,9 @@ pub struct AdamW {
     /// Decoupled weight decay of the parameters the default groups decay (matrices); a
     /// parameter group's own `weight_decay` replaces it.
     pub weight_decay: f64,
+    /// The dtype both moments are kept in between steps (each step computes in f32).
+    #[serde(default)]
+    pub moments: MomentDtype,
 }
 
 impl Default for AdamW {
@@ -86,6 +89,36 @@ impl Default for AdamW {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            moments: MomentDtype::F32,
+        }
+    }
+}
+
+/// The dtype AdamW keeps its two moments in (Megatron's `--exp-avg-dtype` and
+/// `--exp-avg-sq-dtype`, both at once).
+///
+/// `Bf16` halves the moments' memory (4 bytes per parameter less: 25 GiB for Llama 2 7B on
+/// one GPU) and AdamW's memory traffic from 28 to 20 bytes per parameter. Each step reads the
+/// moments, updates them in f32, takes the update from the f32 values and stores them rounded
+/// to nearest; DeepSeek-V3 was trained with its moments in bf16. On backends without bf16
+/// tensors (the CPU's `NdArray`) the moments stay f32 holding bf16-rounded values: what bf16
+/// storage holds, without its memory saving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MomentDtype {
+    /// Both moments in f32, as PyTorch's AdamW keeps them for f32 parameters.
+    #[default]
+    F32,
+    /// Both moments in bf16.
+    Bf16,
+}
+
+impl MomentDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
         }
     }
 }

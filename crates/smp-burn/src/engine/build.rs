@@ -546,6 +546,12 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
                 }
             }
         };
+        // Each unit's moments take their dtype as it is built, so that a model's f32 zeros are
+        // never all held at once.
+        let moment_dtype = match &self.optimizer {
+            Optimizer::AdamW(adamw) => Some(adamw.moments),
+            Optimizer::Custom(_) => None,
+        };
         macro_rules! sharded {
             ($unit:expr, $id:expr, $layout:expr) => {{
                 let id = $id;
@@ -559,6 +565,9 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
                     init_for(id, by_path(&meta)),
                 )?;
                 unit.set_groups(groups)?;
+                if let Some(dtype) = moment_dtype {
+                    unit.set_moment_dtype(dtype);
+                }
                 let uses_tied = $layout.params.iter().any(|p| external.contains(&p.id));
                 Sharded {
                     unit,
@@ -655,6 +664,9 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
                 tied_init,
             )?;
             unit.set_groups(ordered_groups)?;
+            if let Some(dtype) = moment_dtype {
+                unit.set_moment_dtype(dtype);
+            }
             Some(Sharded {
                 unit,
                 id: UnitId::Stem,

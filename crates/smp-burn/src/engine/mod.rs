@@ -84,7 +84,7 @@ pub use crate::fsdp::StateKind;
 use crate::fsdp::{CommStats, FsdpContext, ShardedUnit};
 pub use crate::init::InitRule;
 pub use crate::loss::{Loss, LossScope};
-pub use crate::optim::{AdamW, BurnOptim, Group, Optimizer, ShardOptimizer};
+pub use crate::optim::{AdamW, BurnOptim, Group, MomentDtype, Optimizer, ShardOptimizer};
 use crate::tp::{Placement, TpGroup};
 pub use build::{EngineBuilder, Init, ParamSource, Tied};
 pub use state::{NamedTensors, PlanEntry};

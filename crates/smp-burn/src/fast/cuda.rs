@@ -532,8 +532,8 @@ pub(crate) fn xent_softmax_grad<B: Backend>(
     Some(tensor(g))
 }
 
-/// FSDP's AdamW step through the fused kernel on a plain CUDA backend when the state is f32
-/// (the gradient may be f32, bf16 or f16). `state` is `[master, exp_avg, exp_avg_sq]`, taken by
+/// FSDP's AdamW step through the fused kernel on a plain CUDA backend when the master weights
+/// are f32 and the moments f32 or bf16, both the same (the gradient may be f32, bf16 or f16). `state` is `[master, exp_avg, exp_avg_sq]`, taken by
 /// value so that the kernel can update the buffers in place: a second handle would make it
 /// copy each one first (three shard-sized copies per unit and step). With `copy_dtype` the
 /// kernel also returns the updated weights in that dtype. `Err(state)` hands the state back:
@@ -553,11 +553,13 @@ pub(crate) fn adamw_step<B: Backend>(
         note_unserved::<B>();
         return Err(state);
     }
+    let moment_dtype = state[1].dtype();
     if !fast_paths().adamw
-        || state
+        || [&state[0], grad_scale]
             .iter()
-            .chain([grad_scale])
             .any(|t| t.dtype() != DType::F32)
+        || !matches!(moment_dtype, DType::F32 | DType::BF16)
+        || state[2].dtype() != moment_dtype
         || !fused_dtype(grad.dtype())
         || copy_dtype.is_some_and(|d| !fused_dtype(d))
     {
@@ -576,7 +578,11 @@ pub(crate) fn adamw_step<B: Backend>(
         inv_bias2: inv_bias2 as f32,
     };
     let len = state[0].dims()[0];
-    let mut out = vec![([len].into(), DType::F32); 3];
+    let mut out = vec![
+        ([len].into(), DType::F32),
+        ([len].into(), moment_dtype),
+        ([len].into(), moment_dtype),
+    ];
     out.extend(copy_dtype.map(|d| ([len].into(), d)));
     let runs = runs.to_vec();
     let f: CubeFn = Arc::new(move |inputs: Vec<Cube>| {
