@@ -613,11 +613,14 @@ pub fn auto_layout(
              prices it)"
         );
     }
-    let workload = Workload::new(
-        llama::train::model_config(&config, 1)?,
-        config.seq_len,
-        config.global_batch_tokens,
-    );
+    let workload = Workload {
+        adamw_moments: config.adamw.moments,
+        ..Workload::new(
+            llama::train::model_config(&config, 1)?,
+            config.seq_len,
+            config.global_batch_tokens,
+        )
+    };
     let calibration = Calibration::nearest(&Calibration::h200(), &workload.model, &cluster.gpu)?;
     let explicit = |key: &str| resolved.is_explicit(key);
     let p = &config.parallel;
