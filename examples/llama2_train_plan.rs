@@ -6,6 +6,7 @@ use std::process::Command;
 
 use llama::LlamaConfig;
 use llama::plan::{self, Calibration, CalibrationRun, Workload};
+use smp_burn::fsdp::MomentDtype;
 use smp_burn::plan::{Cluster, Gpu, Link, parse_collective_bench};
 
 type DynError = Box<dyn std::error::Error + Send + Sync>;
@@ -40,6 +41,10 @@ pub struct PlanArgs {
     /// work"); 1 for one sequence per row.
     #[arg(long, default_value_t = 1.0)]
     attention_share: f64,
+    /// The dtype AdamW keeps its moments in (`[adamw] moments` of the trainer's config): bf16
+    /// takes 4 bytes per parameter off the state and 8 off the optimizer step's traffic.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    adamw_moments: String,
     /// Cluster preset: p4d (8 A100-40GB, 400 Gb/s EFA), p5 (8 H100, 3,200 Gb/s EFA), h200
     /// (8 H200, 8 x 400 Gb/s); with --scaling a comma-separated list.
     #[arg(long, default_value = "h200")]
@@ -274,6 +279,10 @@ pub fn run(args: &PlanArgs) -> Result<(), DynError> {
             name,
             Workload {
                 attention_share: args.attention_share,
+                adamw_moments: match args.adamw_moments.as_str() {
+                    "bf16" => MomentDtype::Bf16,
+                    _ => MomentDtype::F32,
+                },
                 ..Workload::new(model, args.seq_len, args.global_batch_tokens)
             },
         ))
