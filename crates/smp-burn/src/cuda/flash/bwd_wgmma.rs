@@ -17,7 +17,7 @@ use crate::FlashBackward;
 
 use super::BwdArgs;
 use super::bwd_mma::{kv_blocks, write_dkdv};
-use super::dq::bulk_reduce_add_f32;
+use super::dq::{bulk_reduce_add_f32, dq_chunk_offset};
 use super::fragments::{p_fragment, zero_frags};
 use super::fwd_wgmma::{assert_tensor_map_strides, fresh_frags, tile_map, wgmma_rs_block};
 use super::tiles::{sw128_chunk, tma_tile_pair};
@@ -32,22 +32,16 @@ const WGMMA_BWD_QROWS: usize = 64;
 /// Keys per cube of the warpgroup-MMA dK/dV kernel: two warpgroups of 64.
 const WGMMA_BWD_KEYS: usize = 128;
 
-/// Pitch, in f32 pairs, of the warpgroup dK/dV kernel's dQ staging rows at head dim `d`: 8 f32
-/// more than a row, so that the 8-byte stores of a half-warp (4 rows, 4 pairs each) cover the
-/// 32 banks once (rows 8 banks apart at d 64 and 128), and every row still starts 16 bytes
-/// aligned for its bulk reduction.
-const fn wgmma_bwd_dq_pitch(d: usize) -> usize {
-    d / 2 + 4
-}
+/// The dQ accumulator's chunks as [`super::dq::dq_chunk_pos`] lays them out for this kernel:
+/// `(warps, query rows per block)`, one m-tile per warp. Warp `w` of warpgroup `g` holds rows
+/// `16 (w % 4) ..` of head-dim half `g`, which is chunk warp `2 (w % 4) + g`.
+pub(super) const DQ_CHUNKS: (usize, usize) = (8, WGMMA_BWD_QROWS);
 
-/// Which threads copy a block's statistics and reduce its dQ rows, one row each: at head dim
-/// 64 lanes 0-7 of every warp (rows `8 warp ..`), at head dim 128 threads 0-63 (the first
-/// warpgroup's first two warps). Each bulk reduction runs on its warp's uniform datapath, one
-/// issuing thread after another, so the rows on two warps hold the first warpgroup back every
-/// block; at head dim 64 (two cubes per SM) spreading them made the kernel 1.14x faster on an
-/// H100 (S = 16k), at head dim 128 (one cube per SM) 3 % slower (measured beside a variant with
-/// three Q/dO buffers), the second warpgroup then no longer running ahead into the tensor
-/// cores.
+/// Which threads copy a block's statistics, one row each: at head dim 64 lanes 0-7 of every
+/// warp (rows `8 warp ..`), at head dim 128 threads 0-63 (the first warpgroup's first two
+/// warps). At head dim 64 (two cubes per SM) spreading them, with one dQ reduction per row
+/// then, made the kernel 1.14x faster on an H100 (S = 16k), at head dim 128 (one cube per SM)
+/// 3 % slower.
 const fn bookkeeping_spread(d: usize) -> bool {
     d == 64
 }
@@ -191,34 +185,33 @@ fn wgmma_bwd_probs(
     }
 }
 
-/// Adds the staged dQ rows of query block `q0 ..` of head `h` (f32 pair rows of `dqs`, pitch
-/// [`wgmma_bwd_dq_pitch`]) to `dq_acc` (dq's layout): one bulk reduction per row before
-/// `seq`, issued by the threads of [`bookkeeping_row`] and committed as one group each (their
-/// `tma_group_wait_read` frees the rows).
+/// Adds the staged dQ of query block `q0 ..` of head `h` (`dqs`, the block's chunk) to its
+/// chunk of `dq_acc` with one bulk reduction of `64 d` f32, issued by thread 0 and committed as
+/// one group (its `tma_group_wait_read` frees `dqs`). Why one: a bulk reduction is issued on
+/// the warp's uniform datapath, one thread after another, so a reduction per row (64 per
+/// block) held the issuing warps back at every block.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn reduce_dq_rows(
+fn reduce_dq_chunk(
     dqs: &SharedMemory<Vector<f32, Const<2>>>,
     dq_acc: &mut Tensor<f32>,
     b: usize,
     h: usize,
+    heads_q: usize,
     q0: usize,
     seq: usize,
     #[comptime] d: usize,
 ) {
-    let t = bookkeeping_row(d);
-    if t < comptime!(WGMMA_BWD_QROWS) {
-        let qi = q0 + t;
-        if qi < seq {
-            let dst = b * dq_acc.stride(0) + h * dq_acc.stride(1) + qi * dq_acc.stride(2);
-            bulk_reduce_add_f32(
-                dqs,
-                t * comptime!(wgmma_bwd_dq_pitch(d)),
-                dq_acc,
-                dst,
-                comptime!(d as u32 * 4),
-            );
-        }
+    if UNIT_POS == 0 {
+        let bq = comptime!(WGMMA_BWD_QROWS);
+        let chunk = dq_chunk_offset(b, h, q0, heads_q, (seq + bq - 1) / bq, bq, d);
+        bulk_reduce_add_f32(
+            dqs,
+            0usize,
+            dq_acc,
+            2 * chunk,
+            comptime!((bq * d * 4) as u32),
+        );
         tma_group_commit();
     }
 }
@@ -240,8 +233,10 @@ fn reduce_dq_rows(
 /// - `dS^T` to shared memory (bf16, swizzled `[key][query]`), a cube barrier, then the block's
 ///   `dQ = dS K` (`m64n(D/2)k16`: warpgroup `w` the head-dim half `w`, A = `dS^T` read transposed,
 ///   B = K read transposed) and `dK += dS^T Q`;
-/// - once dQ is done (dK still running), dQ staged as f32 rows, which the next block's first
-///   barrier publishes and one bulk reduction per row adds to `dq_acc` (f32, dq's layout).
+/// - once dQ is done (dK still running), dQ staged in the chunk order of
+///   [`super::dq::dq_chunk_pos`] (each warp's fragments as contiguous 256-byte stores), which
+///   the next block's first barrier publishes and one bulk reduction adds to the block's chunk
+///   of `dq_acc` (f32, [`DQ_CHUNKS`]).
 ///
 /// Two cube barriers per block: the first both lands the block's lse and delta and publishes
 /// the previous block's dQ rows (and frees a Q/dO buffer for the next load), the second
@@ -270,7 +265,6 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
 ) {
     let bk = comptime!(WGMMA_BWD_KEYS);
     let bq = comptime!(WGMMA_BWD_QROWS);
-    let pitch = comptime!(wgmma_bwd_dq_pitch(d));
     let kv_tile = comptime!(bk * d / 8);
     let q_tile = comptime!(bq * d / 8);
     let q_tiles = comptime!(bq / 8);
@@ -306,7 +300,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let mut dss =
         SharedMemory::<Vector<F, Const<2>>>::new_aligned(comptime!(bk * bq / 2), 1024usize);
     let mut dqs =
-        SharedMemory::<Vector<f32, Const<2>>>::new_aligned(comptime!(bq * pitch), 128usize);
+        SharedMemory::<Vector<f32, Const<2>>>::new_aligned(comptime!(bq * d / 2), 128usize);
     let mut lse_s = SharedMemory::<f32>::new(comptime!(2 * bq));
     let mut delta_s = SharedMemory::<f32>::new(comptime!(2 * bq));
 
@@ -327,6 +321,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let n_blk = n_qb - qb_start;
     let n_it = grp * n_blk;
     let h_first = hk * grp;
+    let heads_q = CUBE_COUNT_X as usize * grp;
     if leader {
         tma_tile_pair::<F, N>(
             q_map,
@@ -387,7 +382,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
             full1.wait_parity(phase);
         }
         if it > 0 {
-            reduce_dq_rows(&dqs, dq_acc, b, staged_h, staged_q0, seq, d);
+            reduce_dq_chunk(&dqs, dq_acc, b, staged_h, heads_q, staged_q0, seq, d);
         }
         let mut next_blk = blk + 1;
         let mut next_h_off = h_off;
@@ -496,9 +491,9 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
                 dss[sw128_chunk(key, nt, bk) * 4 + c_lo / 2] = frag[j];
             }
         }
-        // The previous block's reductions must have read the staging rows before they are
-        // written again below; the barrier after this publishes dS^T to both warpgroups.
-        if bookkeeping_row(d) < bq {
+        // The previous block's reduction must have read the staged dQ before it is written
+        // again below; the barrier after this publishes dS^T to both warpgroups.
+        if UNIT_POS == 0 {
             tma_group_wait_read(0u32);
         }
         sync_async_proxy_shared();
@@ -547,15 +542,14 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
         wgmma_fence_operands(&mut dq_acc_w);
         wgmma_fence_operands(&mut dv_acc);
 
-        // Stage this warpgroup's dQ half as f32 rows for the next barrier's reductions.
-        let qrow_lo = 16 * (warp % 4) + r_lo;
-        let qrow_hi = 16 * (warp % 4) + r_hi;
+        // Stage this warp's 16 rows of its warpgroup's dQ half in chunk order (chunk warp
+        // `2 (warp % 4) + wg`, 16 x d / 2 f32) for the next barrier's reduction.
+        let wbase = (2 * (warp % 4) + wg) * comptime!(4 * d);
         #[unroll]
         for dt in 0..comptime!(d / 16) {
-            let pair = wg * comptime!(d / 4) + 4 * dt + c_lo / 2;
             let frag = dq_acc_w.index(dt);
-            dqs[qrow_lo * pitch + pair] = frag[0];
-            dqs[qrow_hi * pitch + pair] = frag[1];
+            dqs[wbase + dt * 64 + lane] = frag[0];
+            dqs[wbase + dt * 64 + 32 + lane] = frag[1];
         }
         sync_async_proxy_shared();
         staged_q0 = q0;
@@ -566,8 +560,8 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     wgmma_wait_group(0u32);
     wgmma_fence_operands(&mut dk_acc);
     sync_cube();
-    reduce_dq_rows(&dqs, dq_acc, b, staged_h, staged_q0, seq, d);
-    if bookkeeping_row(d) < bq {
+    reduce_dq_chunk(&dqs, dq_acc, b, staged_h, heads_q, staged_q0, seq, d);
+    if UNIT_POS == 0 {
         tma_group_wait_read(0u32);
     }
 
@@ -576,7 +570,8 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     );
 }
 
-/// Launches [`flash_bwd_dkdv_wgmma`], its dQ added to `dq_acc` (f32 in dq's layout).
+/// Launches [`flash_bwd_dkdv_wgmma`], its dQ added to `dq_acc` (f32 chunks of [`DQ_CHUNKS`]:
+/// `64 d` per batch, query head and 64-query block, rows past the end included).
 ///
 /// # Panics
 /// Where the rows are not 16-byte aligned or the head dim is not 64 or 128 (the kernel
@@ -598,7 +593,7 @@ pub(super) fn launch<R: CubeRuntime>(args: &BwdArgs<R>, dq_acc: &CubeTensor<R>) 
     // SAFETY: the tensor maps bound every tile load (zeros past the end) and lse/delta reads
     // are guarded by `seq`; writes by `key < seq`; the swizzled tiles are 1024-byte aligned and
     // `sw128_chunk` stays inside them; each bulk reduction adds one dQ row (4 d bytes) at a
-    // 16-byte aligned address of `dq_acc` (dq's layout, rows < seq only).
+    // 16-byte aligned chunk of `dq_acc`, which holds every (batch, query head, query block).
     unsafe {
         flash_bwd_dkdv_wgmma::launch_unchecked::<R>(
             &args.q.client,

@@ -381,7 +381,7 @@ fn flash_bwd_dq_mma_cp<F: Float, N: Size>(
 /// block), in that order.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn dq_chunk_offset(
+pub(super) fn dq_chunk_offset(
     b: usize,
     h: usize,
     q0: usize,
@@ -889,7 +889,9 @@ pub(super) fn launch_convert<R: CubeRuntime>(
 }
 
 /// Launches [`flash_dq_convert_chunks`]: `dq = dq_acc * scale` from the bulk reductions'
-/// chunks of a dK/dV kernel with `warps` warps and `bq`-query blocks.
+/// chunks of a dK/dV kernel with `warps` warps, `bq`-query blocks and `m_tiles` m-tiles per
+/// warp ([`dq_chunk_pos`]).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn launch_convert_chunks<R: CubeRuntime>(
     dq_acc: CubeTensor<R>,
     dq: &CubeTensor<R>,
@@ -897,6 +899,7 @@ pub(super) fn launch_convert_chunks<R: CubeRuntime>(
     dims: Dims,
     warps: usize,
     bq: usize,
+    m_tiles: usize,
 ) {
     // A row's columns are adjacent in the chunk only within 8 (`dq_chunk_pos`).
     let nv = vector_width(&[dq]).min(8);
@@ -922,7 +925,7 @@ pub(super) fn launch_convert_chunks<R: CubeRuntime>(
             warps,
             bq,
             dims.head_dim,
-            dq_m_tiles(warps, bq, dims.head_dim),
+            m_tiles,
             nv,
             mv,
             dq.dtype.into(),

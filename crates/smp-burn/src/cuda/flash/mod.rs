@@ -485,9 +485,8 @@ fn backward<R: CubeRuntime>(
         nv,
     };
     // The f32 dQ accumulator of the fused dQ: in the bulk reductions' chunks (`dq_chunk_pos`),
-    // or, for the f32-pair atomics and the warpgroup kernel's row reductions, dq's layout
-    // (both dense with the same strides, so that the conversion's flat index `i` is the same
-    // element in both).
+    // or, for the f32-pair atomics, dq's layout (dense with dq's strides, so that the
+    // conversion's flat index `i` is the same element in both).
     let zeros = |shape| zeros_client::<R>(client.clone(), device.clone(), shape, DType::F32);
     match kernel {
         FlashBackward::Split => {
@@ -510,15 +509,18 @@ fn backward<R: CubeRuntime>(
                 bwd_mma::launch_grid(&args, &dq_acc, warps, bulk);
             }
             if bulk {
-                dq::launch_convert_chunks(dq_acc, &dq, scale, dims, warps, bq);
+                let m_tiles = dq::dq_m_tiles(warps, bq, head_dim);
+                dq::launch_convert_chunks(dq_acc, &dq, scale, dims, warps, bq, m_tiles);
             } else {
                 dq::launch_convert(dq_acc, &dq, scale, dims);
             }
         }
         FlashBackward::Wgmma => {
-            let dq_acc = alloc_bshd(q_shape, zeros);
+            let (warps, bq) = bwd_wgmma::DQ_CHUNKS;
+            let chunks = batch * heads_q * seq.div_ceil(bq);
+            let dq_acc = zeros(Shape::new([chunks * bq * head_dim]));
             bwd_wgmma::launch(&args, &dq_acc);
-            dq::launch_convert(dq_acc, &dq, scale, dims);
+            dq::launch_convert_chunks(dq_acc, &dq, scale, dims, warps, bq, 1);
         }
     }
     (dq, dk, dv)
