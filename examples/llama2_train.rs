@@ -106,6 +106,7 @@ fn recomputation(
             (layout, chosen) = (without_copies, fewer);
         }
     }
+    model.check_fits(&layout, chosen, have)?;
     let chosen_layout = StepLayout {
         selective_recompute: chosen.selective,
         ..layout

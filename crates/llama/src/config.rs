@@ -318,6 +318,47 @@ impl LlamaConfig {
         }
     }
 
+    /// Refuses, before anything is built, a run whose memory estimate with `recomputation` (the
+    /// planner's choice, which recomputes every layer when nothing less fits) exceeds
+    /// `device_bytes` by more than [`OVER_DEVICE_PERCENT`]: such a run would only run out of
+    /// memory once its model is built and its first step taken (Llama 2 7B at S=32,768 on an
+    /// 80 GB H100: about 100 s). Runs within that margin are left to try, since the estimate
+    /// can be off by a few percent either way.
+    pub fn check_fits(
+        &self,
+        layout: &StepLayout,
+        recomputation: Recomputation,
+        device_bytes: u64,
+    ) -> Result<()> {
+        let at = StepLayout {
+            selective_recompute: recomputation.selective,
+            ..layout.clone()
+        };
+        let need = self.training_memory_estimate(&at, recomputation.layers);
+        if need <= device_bytes / 100 * OVER_DEVICE_PERCENT {
+            return Ok(());
+        }
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        Err(LlamaError::Config(format!(
+            "this run needs about {:.0} GiB per GPU even recomputing {} of {} layers{}, and the \
+             GPU has {:.0} GiB; shard over more GPUs, shorten seq_len ({}) or micro_batch ({}), \
+             keep AdamW's moments in bf16 ([adamw] moments = \"bf16\"), offload activations \
+             (--activation-offloading), or name the layers to recompute \
+             (--checkpointed-layers N) to try anyway",
+            gib(need),
+            recomputation.layers.min(self.num_hidden_layers),
+            self.num_hidden_layers,
+            if recomputation.selective {
+                " selectively"
+            } else {
+                ""
+            },
+            gib(device_bytes),
+            layout.seq_len,
+            layout.micro_batch,
+        )))
+    }
+
     /// Forward FLOPs per token that recomputing one decoder layer repeats: its matrix products
     /// (two per parameter) and, unless `selective` (which keeps attention's output), attention's
     /// score and value products over the causal half of `seq_len` keys.
@@ -353,6 +394,11 @@ impl LlamaConfig {
 /// estimated at 129.2 GiB (all 32 measured 127.8), which this share of an H200 admits and 92 %
 /// did not.
 pub const MEMORY_BUDGET_PERCENT: u64 = 93;
+
+/// How far, in percent of a GPU's memory, a run's estimate may go before
+/// [`LlamaConfig::check_fits`] refuses it: the estimate's 10 % allocator slack plus its largest
+/// miss of the runs measured (4.4 %), rounded up.
+pub const OVER_DEVICE_PERCENT: u64 = 115;
 
 /// Which decoder layers recompute their forward in the backward: the first `layers`, fully or,
 /// with `selective`, keeping their attention's output ([`LlamaConfig::recomputation`]).
@@ -690,6 +736,43 @@ mod tests {
         assert!(!b7.recomputation(&reference, h200).selective);
         // The choice ignores what the layout asked for: it is the planner's to make.
         assert_eq!(b7.recomputation(&selective, h200), chosen);
+    }
+
+    /// A run that cannot fit even recomputing every layer is refused before it is built, with
+    /// the numbers and what would help; one the planner fits, or one just over the device,
+    /// passes.
+    #[test]
+    fn runs_far_over_the_device_are_refused_up_front() {
+        let b7 = LlamaConfig::preset("7b").unwrap();
+        let b1 = LlamaConfig::preset("1b").unwrap();
+        let h100 = (79.1 * GIB) as u64;
+        let h200 = (139.8 * GIB) as u64;
+        let check = |c: &LlamaConfig, layout: &StepLayout, device: u64| {
+            c.check_fits(layout, c.recomputation(layout, device), device)
+        };
+        let at32k = StepLayout::bf16(1, 32768);
+        let err = check(&b7, &at32k, h100).unwrap_err().to_string();
+        for part in [
+            "GiB per GPU",
+            "32 of 32 layers",
+            "79 GiB",
+            "32768",
+            "moments",
+        ] {
+            assert!(err.contains(part), "{part:?} missing from: {err}");
+        }
+        check(&b7, &at32k, h200).unwrap();
+        check(&b1, &StepLayout::bf16(1, 4096), h100).unwrap();
+        // Within the margin the run is left to try: 7B at S=4096 without recomputation on a
+        // GPU a tenth smaller than the estimate.
+        let at4k = StepLayout::bf16(1, 4096);
+        let none = Recomputation {
+            layers: 0,
+            selective: false,
+        };
+        let need = b7.training_memory_estimate(&at4k, 0);
+        b7.check_fits(&at4k, none, need / 110 * 100).unwrap();
+        assert!(b7.check_fits(&at4k, none, need / 120 * 100).is_err());
     }
 
     /// Selective recomputation keeps each recomputed layer's attention output (Llama 2 7B at
