@@ -239,7 +239,7 @@ fn reduce_dq_chunk(
 ///   of `dq_acc` (f32, [`DQ_CHUNKS`]).
 ///
 /// Two cube barriers per block: the first both lands the block's lse and delta and publishes
-/// the previous block's dQ rows (and frees a Q/dO buffer for the next load), the second
+/// the previous block's staged dQ (and frees a Q/dO buffer for the next load), the second
 /// publishes `dS^T`. The tensor loads tie the `cp.async` copies in speed (0-2 %
 /// faster on an H200 at S = 4k-32k) with fewer instructions per thread.
 ///
@@ -358,7 +358,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
 
     let mut blk = 0usize;
     let mut h_off = 0usize;
-    // The previous block's dQ rows, staged in `dqs` and added at the next block's first
+    // The previous block's dQ, staged in `dqs` and added at the next block's first
     // barrier (which is also the one the copies of that block wait at).
     let mut staged_q0 = 0usize;
     let mut staged_h = 0usize;
@@ -371,7 +371,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
         // The previous block's dK reads its Q buffer, which the prefetch below refills.
         wgmma_wait_group(0u32);
         wgmma_fence_operands(&mut dk_acc);
-        // One barrier: this block's copies have landed and the previous block's dQ rows are
+        // One barrier: this block's copies have landed and the previous block's dQ is
         // staged (each thread fenced its staging stores before arriving).
         bar.commit_copy_async();
         bar.arrive_and_wait();
