@@ -33,9 +33,9 @@ const WGMMA_BWD_QROWS: usize = 64;
 const WGMMA_BWD_KEYS: usize = 128;
 
 /// The dQ accumulator's chunks as [`super::dq::dq_chunk_pos`] lays them out for this kernel:
-/// `(warps, query rows per block)`, one m-tile per warp. Warp `w` of warpgroup `g` holds rows
+/// `(warps, query rows per block, m-tiles per warp)`. Warp `w` of warpgroup `g` holds rows
 /// `16 (w % 4) ..` of head-dim half `g`, which is chunk warp `2 (w % 4) + g`.
-pub(super) const DQ_CHUNKS: (usize, usize) = (8, WGMMA_BWD_QROWS);
+pub(super) const DQ_CHUNKS: (usize, usize, usize) = (8, WGMMA_BWD_QROWS, 1);
 
 /// Which threads copy a block's statistics, one row each: at head dim 64 lanes 0-7 of every
 /// warp (rows `8 warp ..`), at head dim 128 threads 0-63 (the first warpgroup's first two

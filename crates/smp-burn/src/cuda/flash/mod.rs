@@ -516,11 +516,11 @@ fn backward<R: CubeRuntime>(
             }
         }
         FlashBackward::Wgmma => {
-            let (warps, bq) = bwd_wgmma::DQ_CHUNKS;
+            let (warps, bq, m_tiles) = bwd_wgmma::DQ_CHUNKS;
             let chunks = batch * heads_q * seq.div_ceil(bq);
             let dq_acc = zeros(Shape::new([chunks * bq * head_dim]));
             bwd_wgmma::launch(&args, &dq_acc);
-            dq::launch_convert_chunks(dq_acc, &dq, scale, dims, warps, bq, 1);
+            dq::launch_convert_chunks(dq_acc, &dq, scale, dims, warps, bq, m_tiles);
         }
     }
     (dq, dk, dv)
