@@ -16,7 +16,7 @@ use cubecl::prelude::*;
 use crate::FlashBackward;
 
 use super::BwdArgs;
-use super::bwd_mma::{kv_blocks, write_dkdv};
+use super::bwd_mma::write_dkdv;
 use super::dq::{bulk_reduce_add_f32, dq_chunk_offset};
 use super::fragments::{p_fragment, zero_frags};
 use super::fwd_wgmma::{assert_tensor_map_strides, fresh_frags, tile_map, wgmma_rs_block};
@@ -217,7 +217,7 @@ fn reduce_dq_chunk(
 }
 
 /// dK and dV (and dQ through bulk reductions) on Hopper's warpgroup MMA, head dim 64 or 128. Cube =
-/// (kv head, block of 128 keys, batch), 256 threads = two warpgroups, warpgroup `w` owning keys
+/// (block of 128 keys, kv head, batch), 256 threads = two warpgroups, warpgroup `w` owning keys
 /// `64 w .. 64 w + 64` of the block. K and V are loaded once into swizzled shared memory; the
 /// query blocks of 64 rows (every query head of the GQA group, from the causal start) are
 /// double buffered. One thread issues each K, V, Q or dO tile as bulk tensor copies of the
@@ -271,8 +271,8 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let d_tiles = comptime!(d / 8);
 
     let seq = seq_len as usize;
-    let hk = CUBE_POS_X as usize;
-    let k0 = CUBE_POS_Y as usize * bk;
+    let k0 = CUBE_POS_X as usize * bk;
+    let hk = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
     let grp = group as usize;
     let warp = UNIT_POS as usize / 32;
@@ -321,7 +321,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let n_blk = n_qb - qb_start;
     let n_it = grp * n_blk;
     let h_first = hk * grp;
-    let heads_q = CUBE_COUNT_X as usize * grp;
+    let heads_q = CUBE_COUNT_Y as usize * grp;
     if leader {
         tma_tile_pair::<F, N>(
             q_map,
@@ -590,6 +590,13 @@ pub(super) fn launch<R: CubeRuntime>(args: &BwdArgs<R>, dq_acc: &CubeTensor<R>) 
         FlashBackward::Wgmma.name(),
         [&args.q, &args.k, &args.v, &args.d_o],
     );
+    // Key blocks vary fastest (the longest first), so that the cubes running at once read one
+    // head's Q and dO, and add into one head's dQ, in L2 rather than each another head's.
+    let count = CubeCount::Static(
+        dims.seq.div_ceil(WGMMA_BWD_KEYS) as u32,
+        dims.heads_kv as u32,
+        dims.batch as u32,
+    );
     // SAFETY: the tensor maps bound every tile load (zeros past the end) and lse/delta reads
     // are guarded by `seq`; writes by `key < seq`; the swizzled tiles are 1024-byte aligned and
     // `sw128_chunk` stays inside them; each bulk reduction adds one dQ row (4 d bytes) at a
@@ -597,7 +604,7 @@ pub(super) fn launch<R: CubeRuntime>(args: &BwdArgs<R>, dq_acc: &CubeTensor<R>) 
     unsafe {
         flash_bwd_dkdv_wgmma::launch_unchecked::<R>(
             &args.q.client,
-            kv_blocks(dims, WGMMA_BWD_KEYS),
+            count,
             CubeDim::new_1d(256),
             args.nv,
             tile_map(args.q.clone(), WGMMA_BWD_QROWS),

@@ -248,7 +248,7 @@ fn wg_finish_block<F: Float, N: Size>(
 /// Query rows per cube of the warpgroup-MMA forward: two warpgroups of 64.
 const WGMMA_ROWS: usize = 128;
 
-/// The forward on Hopper's warpgroup MMA. Cube = (query head, query block from the last,
+/// The forward on Hopper's warpgroup MMA. Cube = (query block from the last, query head,
 /// batch), 256 threads = two warpgroups of 64 query rows. Q (once) and each 128-key K/V block
 /// are loaded by the tensor memory accelerator into 128-byte-swizzled shared memory, double
 /// buffered; each warpgroup issues `S = Q K^T` as `d / 16` `wgmma`s reading both operands from
@@ -294,8 +294,8 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     let q_bytes = comptime!((WGMMA_ROWS * d * 2) as u32);
 
     let seq = seq_len as usize;
-    let h = CUBE_POS_X as usize;
-    let qb = n_blocks as usize - 1 - CUBE_POS_Y as usize;
+    let qb = n_blocks as usize - 1 - CUBE_POS_X as usize;
+    let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
     let hk = h / group as usize;
     let warp = UNIT_POS as usize / 32;
@@ -495,7 +495,9 @@ pub(super) fn launch<R: CubeRuntime>(
     let client = q.client.clone();
     let dtype = q.dtype;
     let n_blocks = dims.seq.div_ceil(WGMMA_ROWS) as u32;
-    let count = CubeCount::Static(dims.heads_q as u32, n_blocks, dims.batch as u32);
+    // Query blocks vary fastest (the longest first), so that the cubes running at once share
+    // one head's K/V in L2 rather than each reading another head's.
+    let count = CubeCount::Static(n_blocks, dims.heads_q as u32, dims.batch as u32);
     // SAFETY: the tensor maps bound every copy (zeros past the end); the swizzled tiles are
     // 1024-byte aligned, as the 128-byte swizzle needs, and each box fills one 64-column block.
     unsafe {
