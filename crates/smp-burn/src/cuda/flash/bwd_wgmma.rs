@@ -15,7 +15,6 @@ use cubecl::prelude::*;
 
 use crate::FlashBackward;
 
-use super::BwdArgs;
 use super::bwd_mma::write_dkdv;
 use super::dq::{bulk_reduce_add_f32, dq_chunk_offset};
 use super::fragments::{p_fragment, zero_frags};
@@ -25,6 +24,7 @@ use super::wgmma::{
     SWIZZLE_128B, wgmma_commit_group, wgmma_descriptor, wgmma_descriptor_at, wgmma_fence,
     wgmma_fence_operands, wgmma_ss, wgmma_wait_group,
 };
+use super::{BwdArgs, head_block_grid};
 
 /// Query rows per block of the warpgroup-MMA dK/dV kernel: the `n` of its `S^T` and `dP^T`.
 const WGMMA_BWD_QROWS: usize = 64;
@@ -217,7 +217,8 @@ fn reduce_dq_chunk(
 }
 
 /// dK and dV (and dQ through bulk reductions) on Hopper's warpgroup MMA, head dim 64 or 128. Cube =
-/// (block of 128 keys, kv head, batch), 256 threads = two warpgroups, warpgroup `w` owning keys
+/// (block of 128 keys, kv head, batch), the first two swapped in the grid at short sequences
+/// (`blocks_fastest` false, see [`super::BLOCKS_FASTEST_FROM_SEQ`]), 256 threads = two warpgroups, warpgroup `w` owning keys
 /// `64 w .. 64 w + 64` of the block. K and V are loaded once into swizzled shared memory; the
 /// query blocks of 64 rows (every query head of the GQA group, from the causal start) are
 /// double buffered. One thread issues each K, V, Q or dO tile as bulk tensor copies of the
@@ -261,6 +262,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     seq_len: u32,
     group: u32,
     #[comptime] d: usize,
+    #[comptime] blocks_fastest: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let bk = comptime!(WGMMA_BWD_KEYS);
@@ -271,8 +273,15 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let d_tiles = comptime!(d / 8);
 
     let seq = seq_len as usize;
-    let k0 = CUBE_POS_X as usize * bk;
-    let hk = CUBE_POS_Y as usize;
+    let mut block_pos = CUBE_POS_X as usize;
+    let mut hk = CUBE_POS_Y as usize;
+    let mut heads_kv = CUBE_COUNT_Y as usize;
+    if comptime!(!blocks_fastest) {
+        block_pos = CUBE_POS_Y as usize;
+        hk = CUBE_POS_X as usize;
+        heads_kv = CUBE_COUNT_X as usize;
+    }
+    let k0 = block_pos * bk;
     let b = CUBE_POS_Z as usize;
     let grp = group as usize;
     let warp = UNIT_POS as usize / 32;
@@ -321,7 +330,7 @@ fn flash_bwd_dkdv_wgmma<F: Float, N: Size>(
     let n_blk = n_qb - qb_start;
     let n_it = grp * n_blk;
     let h_first = hk * grp;
-    let heads_q = CUBE_COUNT_Y as usize * grp;
+    let heads_q = heads_kv * grp;
     if leader {
         tma_tile_pair::<F, N>(
             q_map,
@@ -590,17 +599,17 @@ pub(super) fn launch<R: CubeRuntime>(args: &BwdArgs<R>, dq_acc: &CubeTensor<R>) 
         FlashBackward::Wgmma.name(),
         [&args.q, &args.k, &args.v, &args.d_o],
     );
-    // Key blocks vary fastest (the longest first), so that the cubes running at once read one
-    // head's Q and dO, and add into one head's dQ, in L2 rather than each another head's.
-    let count = CubeCount::Static(
-        dims.seq.div_ceil(WGMMA_BWD_KEYS) as u32,
-        dims.heads_kv as u32,
-        dims.batch as u32,
+    let (count, blocks_fastest) = head_block_grid(
+        dims.heads_kv,
+        dims.seq.div_ceil(WGMMA_BWD_KEYS),
+        dims.batch,
+        dims.seq,
     );
     // SAFETY: the tensor maps bound every tile load (zeros past the end) and lse/delta reads
     // are guarded by `seq`; writes by `key < seq`; the swizzled tiles are 1024-byte aligned and
-    // `sw128_chunk` stays inside them; each bulk reduction adds one dQ row (4 d bytes) at a
-    // 16-byte aligned chunk of `dq_acc`, which holds every (batch, query head, query block).
+    // `sw128_chunk` stays inside them; each bulk reduction adds one block's staged dQ chunk
+    // (`64 d` f32) at its 16-byte aligned place in `dq_acc`, which holds a chunk for every
+    // (batch, query head, query block).
     unsafe {
         flash_bwd_dkdv_wgmma::launch_unchecked::<R>(
             &args.q.client,
@@ -620,6 +629,7 @@ pub(super) fn launch<R: CubeRuntime>(args: &BwdArgs<R>, dq_acc: &CubeTensor<R>) 
             dims.seq as u32,
             dims.group() as u32,
             dims.head_dim,
+            blocks_fastest,
             args.q.dtype.into(),
         );
     }

@@ -18,7 +18,6 @@ use cubecl::prelude::*;
 
 use crate::FlashForward;
 
-use super::Dims;
 use super::fragments::{p_fragment, zero_frags};
 use super::fwd_mma::{fwd_softmax, write_fwd_out};
 use super::tiles::{tma_tile, tma_tile_pair};
@@ -26,6 +25,7 @@ use super::wgmma::{
     SWIZZLE_128B, wgmma_commit_group, wgmma_descriptor, wgmma_descriptor_at, wgmma_fence,
     wgmma_fence_operands, wgmma_rs, wgmma_ss, wgmma_wait_group,
 };
+use super::{Dims, head_block_grid};
 
 /// Keys per block of the warpgroup-MMA forward: the `n` of its `m64nNk16` score product.
 const WGMMA_KEYS: usize = 128;
@@ -249,7 +249,8 @@ fn wg_finish_block<F: Float, N: Size>(
 const WGMMA_ROWS: usize = 128;
 
 /// The forward on Hopper's warpgroup MMA. Cube = (query block from the last, query head,
-/// batch), 256 threads = two warpgroups of 64 query rows. Q (once) and each 128-key K/V block
+/// batch), the first two swapped in the grid at short sequences (`blocks_fastest` false, see
+/// [`super::BLOCKS_FASTEST_FROM_SEQ`]), 256 threads = two warpgroups of 64 query rows. Q (once) and each 128-key K/V block
 /// are loaded by the tensor memory accelerator into 128-byte-swizzled shared memory, double
 /// buffered; each warpgroup issues `S = Q K^T` as `d / 16` `wgmma`s reading both operands from
 /// shared memory ([`wg_scores`]), waits, runs the online softmax of the `mma.sync` forward on
@@ -284,6 +285,7 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     group: u32,
     n_blocks: u32,
     #[comptime] d: usize,
+    #[comptime] blocks_fastest: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let keys = comptime!(WGMMA_KEYS);
@@ -294,8 +296,13 @@ fn flash_fwd_wgmma<F: Float, N: Size>(
     let q_bytes = comptime!((WGMMA_ROWS * d * 2) as u32);
 
     let seq = seq_len as usize;
-    let qb = n_blocks as usize - 1 - CUBE_POS_X as usize;
-    let h = CUBE_POS_Y as usize;
+    let mut block_pos = CUBE_POS_X as usize;
+    let mut h = CUBE_POS_Y as usize;
+    if comptime!(!blocks_fastest) {
+        block_pos = CUBE_POS_Y as usize;
+        h = CUBE_POS_X as usize;
+    }
+    let qb = n_blocks as usize - 1 - block_pos;
     let b = CUBE_POS_Z as usize;
     let hk = h / group as usize;
     let warp = UNIT_POS as usize / 32;
@@ -495,9 +502,8 @@ pub(super) fn launch<R: CubeRuntime>(
     let client = q.client.clone();
     let dtype = q.dtype;
     let n_blocks = dims.seq.div_ceil(WGMMA_ROWS) as u32;
-    // Query blocks vary fastest (the longest first), so that the cubes running at once share
-    // one head's K/V in L2 rather than each reading another head's.
-    let count = CubeCount::Static(n_blocks, dims.heads_q as u32, dims.batch as u32);
+    let (count, blocks_fastest) =
+        head_block_grid(dims.heads_q, n_blocks as usize, dims.batch, dims.seq);
     // SAFETY: the tensor maps bound every copy (zeros past the end); the swizzled tiles are
     // 1024-byte aligned, as the 128-byte swizzle needs, and each box fills one 64-column block.
     unsafe {
@@ -517,6 +523,7 @@ pub(super) fn launch<R: CubeRuntime>(
             dims.group() as u32,
             n_blocks,
             head_dim,
+            blocks_fastest,
             dtype.into(),
         );
     }
