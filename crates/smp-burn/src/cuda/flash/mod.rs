@@ -560,4 +560,22 @@ mod tests {
     fn rescale_slack_keeps_row_sums_finite() {
         assert!(RESCALE_SLACK.exp() * 65_536.0 * 1e4 < f32::MAX);
     }
+
+    /// The kernels read the block and the head from the grid's X and Y as the flag says; a
+    /// grid built the other way round would run every cube on a wrong tile.
+    #[test]
+    fn grid_puts_blocks_fastest_only_from_the_threshold() {
+        let dims = |c: CubeCount| match c {
+            CubeCount::Static(x, y, z) => (x, y, z),
+            CubeCount::Dynamic(_) => panic!("the attention grids are static"),
+        };
+        let (short, blocks_fastest) = head_block_grid(32, 32, 2, BLOCKS_FASTEST_FROM_SEQ - 1);
+        assert!(!blocks_fastest);
+        assert_eq!(dims(short), (32, 32, 2));
+        let (long, blocks_fastest) = head_block_grid(8, 256, 1, BLOCKS_FASTEST_FROM_SEQ);
+        assert!(blocks_fastest);
+        assert_eq!(dims(long), (256, 8, 1));
+        let (long, _) = head_block_grid(8, 256, 1, 32_768);
+        assert_eq!(dims(long), (256, 8, 1));
+    }
 }
