@@ -218,15 +218,15 @@ fn reduce_dq_chunk(
 
 /// dK and dV (and dQ through bulk reductions) on Hopper's warpgroup MMA, head dim 64 or 128. Cube =
 /// (block of 128 keys, kv head, batch), the first two swapped in the grid at short sequences
-/// (`blocks_fastest` false, see [`super::BLOCKS_FASTEST_FROM_SEQ`]), 256 threads = two warpgroups, warpgroup `w` owning keys
-/// `64 w .. 64 w + 64` of the block. K and V are loaded once into swizzled shared memory; the
-/// query blocks of 64 rows (every query head of the GQA group, from the causal start) are
-/// double buffered. One thread issues each K, V, Q or dO tile as bulk tensor copies of the
-/// tensor memory accelerator, completing on an mbarrier by byte count (a "full" barrier per Q/dO
-/// buffer); lse and delta stay 4-byte `cp.async` copies behind the cube barrier, their rows
-/// not being 16-byte aligned in general (documents start anywhere). Per query block and
-/// warpgroup, each product one `wgmma` group, so that the tensor cores run while the
-/// warpgroup's threads do the elementwise work:
+/// (`blocks_fastest` false, see [`super::BLOCKS_FASTEST_FROM_SEQ`]); 256 threads = two warpgroups,
+/// warpgroup `w` owning keys `64 w .. 64 w + 64` of the block. K and V are loaded once into
+/// swizzled shared memory; the query blocks of 64 rows (every query head of the GQA group, from the
+/// causal start) are double buffered. One thread issues each K, V, Q or dO tile as bulk tensor
+/// copies of the tensor memory accelerator, completing on an mbarrier by byte count (a "full"
+/// barrier per Q/dO buffer); lse and delta stay 4-byte `cp.async` copies behind the cube barrier,
+/// their rows not being 16-byte aligned in general (documents start anywhere). Per query block and
+/// warpgroup, each product one `wgmma` group, so that the tensor cores run while the warpgroup's
+/// threads do the elementwise work:
 /// - `S^T = K Q^T`, then `dP^T = V dO^T` (`m64n64k16`, both operands from shared memory);
 /// - once `S^T` is done, `P^T = exp(S^T scale - lse)` (0 where the key follows the query);
 /// - `dV += P^T dO` (`m64nDk16`, `P^T` from registers as the forward's P, dO read

@@ -248,14 +248,14 @@ fn wg_finish_block<F: Float, N: Size>(
 /// Query rows per cube of the warpgroup-MMA forward: two warpgroups of 64.
 const WGMMA_ROWS: usize = 128;
 
-/// The forward on Hopper's warpgroup MMA. Cube = (query block from the last, query head,
-/// batch), the first two swapped in the grid at short sequences (`blocks_fastest` false, see
-/// [`super::BLOCKS_FASTEST_FROM_SEQ`]), 256 threads = two warpgroups of 64 query rows. Q (once) and each 128-key K/V block
-/// are loaded by the tensor memory accelerator into 128-byte-swizzled shared memory, double
-/// buffered; each warpgroup issues `S = Q K^T` as `d / 16` `wgmma`s reading both operands from
-/// shared memory ([`wg_scores`]), waits, runs the online softmax of the `mma.sync` forward on
-/// its registers (same fragment layout, [`wg_softmax`]), and issues `O += P V` ([`wg_pv`]). `N`
-/// must be 8 (16-byte chunks).
+/// The forward on Hopper's warpgroup MMA. Cube = (query block from the last, query head, batch),
+/// the first two swapped in the grid at short sequences (`blocks_fastest` false, see
+/// [`super::BLOCKS_FASTEST_FROM_SEQ`]); 256 threads = two warpgroups of 64 query rows. Q (once) and
+/// each 128-key K/V block are loaded by the tensor memory accelerator into 128-byte-swizzled shared
+/// memory, double buffered; each warpgroup issues `S = Q K^T` as `d / 16` `wgmma`s reading both
+/// operands from shared memory ([`wg_scores`]), waits, runs the online softmax of the `mma.sync`
+/// forward on its registers (same fragment layout, [`wg_softmax`]), and issues `O += P V`
+/// ([`wg_pv`]). `N` must be 8 (16-byte chunks).
 ///
 /// Loads: one thread issues each tile as bulk tensor copies (one per 64-column block) that
 /// complete on the buffer's "full" mbarrier by byte count; rows past the sequence arrive as

@@ -569,9 +569,9 @@ mod tests {
             CubeCount::Static(x, y, z) => (x, y, z),
             CubeCount::Dynamic(_) => panic!("the attention grids are static"),
         };
-        let (short, blocks_fastest) = head_block_grid(32, 32, 2, BLOCKS_FASTEST_FROM_SEQ - 1);
+        let (short, blocks_fastest) = head_block_grid(32, 16, 2, BLOCKS_FASTEST_FROM_SEQ - 1);
         assert!(!blocks_fastest);
-        assert_eq!(dims(short), (32, 32, 2));
+        assert_eq!(dims(short), (32, 16, 2));
         let (long, blocks_fastest) = head_block_grid(8, 256, 1, BLOCKS_FASTEST_FROM_SEQ);
         assert!(blocks_fastest);
         assert_eq!(dims(long), (256, 8, 1));
