@@ -3,6 +3,8 @@
 //! `kernel_bench check`: every fast op against the reference op on fresh random inputs (forward
 //! and gradients), odd shapes included; exits non-zero on a miss.
 //! `kernel_bench attention`: only the attention part of `check`.
+//! `kernel_bench accumulate`: only the gradient-accumulation part of `check` (an FSDP unit's
+//! weight gradient summed over micro-batches by its GEMMs, against an f64 host sum).
 //! `kernel_bench xent`: only the LM-head loss part of `check` (fused softmax kernels against
 //! Burn's ops), with the time of each.
 //! `kernel_bench embed`: only the embedding-gradient part of `check` (one kernel against Burn's
@@ -636,6 +638,110 @@ fn check_sq_sum() -> bool {
     ok
 }
 
+/// A linear layer behind an elementwise scale: the scale's gradient comes from Burn's autodiff,
+/// the matrix's from the linear layer's GEMM.
+#[derive(burn::module::Module, Debug, Clone)]
+struct ScaledLinear<Bk: Backend> {
+    weight: burn::module::Param<Tensor<Bk, 2>>,
+    scale: burn::module::Param<Tensor<Bk, 1>>,
+}
+
+/// Gradient accumulation over micro-batches through an FSDP unit: from the second micro-batch
+/// on, the weight's gradient GEMM adds straight into the unit's f32 sum. Both ways (the
+/// `accumulate` fast path on and off) against an f64 host sum of `g_i^T x_i` over bf16 inputs:
+/// the GEMM's f32 sum must be within 1e-4 of it (each product of bf16 values is exact in f32)
+/// and at least 4x closer than the path that rounds each micro-batch's gradient to bf16 first,
+/// which shows that the GEMMs did add into the sum. The scale's gradient (packed and added as
+/// before) must agree between the two within bf16 rounding (1e-2).
+fn check_grad_accumulation() -> bool {
+    use burn::module::Initializer;
+    use smp_burn::fsdp::{FsdpContext, ShardedUnit};
+    let (tokens, k, n, micro_batches) = (256usize, 512usize, 384usize, 4usize);
+    let dev = device();
+    let inputs: Vec<(Tensor<B, 2>, Tensor<B, 2>)> = (0..micro_batches)
+        .map(|_| {
+            let x = Tensor::<B, 2>::random([tokens, k], Distribution::Normal(0.0, 1.0), &dev);
+            let g = Tensor::<B, 2>::random([tokens, n], Distribution::Normal(0.0, 1.0), &dev);
+            (x.cast(DType::BF16), g.cast(DType::BF16))
+        })
+        .collect();
+    // dW = sum_i g_i^T x_i, in f64 from the bf16 values (the scale starts at 1: x * 1 is exact).
+    let mut want = vec![0f64; n * k];
+    for (x, g) in &inputs {
+        let (x, g) = (host(x.clone()), host(g.clone()));
+        for t in 0..tokens {
+            for r in 0..n {
+                let gv = g[t * n + r] as f64;
+                let row = &mut want[r * k..(r + 1) * k];
+                for (w, xv) in row.iter_mut().zip(&x[t * k..(t + 1) * k]) {
+                    *w += gv * *xv as f64;
+                }
+            }
+        }
+    }
+    let mut results = Vec::new();
+    for fused in [true, false] {
+        smp_burn::KernelConfig::update(|c| c.fast_paths.accumulate = fused)
+            .expect("a valid configuration");
+        let out = collectives::run_on_threads(1, Default::default(), |comm| {
+            let config = smp_burn::ParallelConfig {
+                param_dtype: smp_burn::config::Precision::Bf16,
+                ..Default::default()
+            };
+            let ctx = FsdpContext::<B>::new(
+                std::sync::Arc::new(smp_burn::HostTensorComm::new(comm)),
+                None,
+                &config,
+            );
+            let template = ScaledLinear::<Ad> {
+                weight: Initializer::Zeros.init([n, k], &dev),
+                scale: Initializer::Ones.init([k], &dev),
+            };
+            let init = |p: &smp_burn::fsdp::FlatParam, range: std::ops::Range<usize>| {
+                let rule = if p.shape.len() == 2 {
+                    smp_burn::init::InitRule::Normal { std: 0.02 }
+                } else {
+                    smp_burn::init::InitRule::Constant(1.0)
+                };
+                smp_burn::init::init_values(0, &p.name, rule, range)
+            };
+            let mut unit =
+                ShardedUnit::<Ad, _>::new("layer", template, &ctx, &dev, init).unwrap();
+            for (i, (x, g)) in inputs.iter().enumerate() {
+                let layer = unit.gather(&ctx, true).unwrap();
+                let x = Tensor::<Ad, 2>::from_inner(x.clone());
+                let scaled = x * layer.scale.val().unsqueeze_dim(0);
+                let y = ops::linear(scaled, layer.weight.val());
+                let loss = (y * Tensor::<Ad, 2>::from_inner(g.clone())).sum();
+                let grads = loss.backward();
+                let defer = i + 1 < micro_batches;
+                unit.accumulate_grads(&layer, &grads, &ctx, defer).unwrap();
+            }
+            host(unit.grad_shard().expect("accumulated"))
+        });
+        results.push(out.into_iter().next().expect("one rank"));
+    }
+    smp_burn::KernelConfig::update(|c| c.fast_paths.accumulate = true).expect("valid");
+    let err_of = |got: &[f32]| {
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let worst = got[..n * k]
+            .iter()
+            .zip(&want)
+            .fold(0f64, |m, (g, w)| m.max((*g as f64 - w).abs()));
+        worst / scale
+    };
+    let (fused, unfused) = (err_of(&results[0]), err_of(&results[1]));
+    let scale_diff = rel_err(&results[0][n * k..n * k + k], &results[1][n * k..n * k + k]);
+    let pass = fused <= 1e-4 && fused * 4.0 <= unfused && scale_diff <= 1e-2;
+    println!(
+        "gradient accumulation over {micro_batches} micro-batches, weight [{n}, {k}]: GEMM into \
+         the f32 sum rel err {fused:.2e} (bound 1e-4), bf16 gradients added {unfused:.2e}; \
+         scale gradient {scale_diff:.2e} apart (bound 1e-2): {}",
+        if pass { "ok" } else { "FAIL" }
+    );
+    pass
+}
+
 /// Gradient packing into the flat buffer (f32, and bf16 for unsharded units) against `cast` + `cat`: bf16 and f32 pieces, odd
 /// lengths (so the vector width changes from piece to piece), padding after them.
 fn check_pack() -> bool {
@@ -696,22 +802,39 @@ fn check_pack() -> bool {
             sq_err = sq_err.max((got - exact).abs() / exact.max(1e-30));
             start += n;
         }
-        // Accumulation over micro-batches: the same pieces added into the packed f32 buffer,
-        // once while another handle holds it (so into a copy) and once in place; each sum is
-        // one f32 addition, so bitwise the host's.
+        // Accumulation over micro-batches: the same pieces added into the packed f32 buffer at
+        // their offsets, once while another handle holds it (so into a copy) and once in place;
+        // each sum is one f32 addition, so bitwise the host's. Then every piece but the first,
+        // as when a GEMM already added the first: its elements must keep their values.
         let mut pass_add = true;
         if dtype == DType::F32 {
+            let offsets: Vec<usize> = lens
+                .iter()
+                .scan(0, |end, n| {
+                    *end += n;
+                    Some(*end - n)
+                })
+                .collect();
+            let at_offsets = || -> Vec<_> { offsets.iter().copied().zip(prims()).collect() };
             let want_sum: Vec<f32> = want.iter().map(|v| v + v).collect();
             let acc = smp_burn::cuda::flat::pack(prims(), total, dtype);
             let shared = acc.clone();
-            let into_copy = host(float(smp_burn::cuda::flat::pack_add(prims(), acc)));
+            let into_copy = host(float(smp_burn::cuda::flat::pack_add(at_offsets(), acc)));
             let untouched = host(float(shared.clone()));
-            let in_place = host(float(smp_burn::cuda::flat::pack_add(prims(), shared)));
+            let in_place = host(float(smp_burn::cuda::flat::pack_add(at_offsets(), shared)));
+            let acc = smp_burn::cuda::flat::pack(prims(), total, dtype);
+            let skipped = host(float(smp_burn::cuda::flat::pack_add(
+                at_offsets().split_off(1),
+                acc,
+            )));
+            let mut want_skipped = want_sum.clone();
+            want_skipped[..lens[0]].copy_from_slice(&want[..lens[0]]);
             pass_add = same(&into_copy, &want_sum)
                 && same(&untouched, &want)
-                && same(&in_place, &want_sum);
+                && same(&in_place, &want_sum)
+                && same(&skipped, &want_skipped);
             println!(
-                "pack_add pieces {:?} into {total} f32 (copied, in place): {}",
+                "pack_add pieces {:?} into {total} f32 (copied, in place, the first skipped): {}",
                 lens,
                 if pass_add { "ok (bitwise)" } else { "FAIL" }
             );
@@ -1275,8 +1398,9 @@ fn main() {
     } else {
         what
     };
-    const PARTS: [&str; 10] = [
+    const PARTS: [&str; 11] = [
         "check",
+        "accumulate",
         "init",
         "fp8",
         "xent",
@@ -1304,6 +1428,7 @@ fn main() {
                 ok &= check_adamw();
                 ok &= check_sq_sum();
                 ok &= check_pack();
+                ok &= check_grad_accumulation();
                 ok &= check_xent();
                 ok &= check_embedding();
                 ok &= check_init();
@@ -1319,6 +1444,7 @@ fn main() {
                 bench_sq_sum();
             }
             "attention" => ok &= check_attention(),
+            "accumulate" => ok &= check_grad_accumulation(),
             "offload" => ok &= offload(),
             "fp8" => {
                 ok &= check_fp8();

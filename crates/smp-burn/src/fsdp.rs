@@ -341,7 +341,22 @@ pub struct ShardedUnit<B: AutodiffBackend, M: Module<B>> {
     /// Parameters of the template that live in another unit (tied parameters): left out of the
     /// flat buffer, supplied at assembly, their gradients left to that unit.
     external: HashSet<ParamId>,
+    /// Names this unit's weight-gradient targets (see [`Self::keep_grads_in_graph`]).
+    id: u64,
+    /// Parameters whose gradients must reach the autodiff gradients even when accumulating
+    /// ([`Self::keep_grads_in_graph`]).
+    grads_in_graph: HashSet<ParamId>,
 }
+
+impl<B: AutodiffBackend, M: Module<B>> Drop for ShardedUnit<B, M> {
+    fn drop(&mut self) {
+        // A step cut short leaves weight-gradient targets holding the gradient sum.
+        crate::fast::forget_weight_grad_targets(self.id);
+    }
+}
+
+/// The next [`ShardedUnit`]'s id.
+static NEXT_UNIT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
     /// Shards `template` (whose parameters may be lazy and are never materialized here) across
@@ -411,7 +426,21 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             run_states: Vec::new(),
             groups,
             external,
+            id: NEXT_UNIT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            grads_in_graph: HashSet::new(),
         })
+    }
+
+    /// Keeps the gradients of `params` in the autodiff gradients, where a caller reads them
+    /// before [`Self::accumulate_grads`] (tensor parallelism sums its replicated parameters'
+    /// across the group there).
+    ///
+    /// Why it is needed: from the second micro-batch of an accumulation step on, a weight
+    /// matrix's gradient GEMM adds straight into this unit's f32 gradient sum (on CUDA;
+    /// Megatron's gradient-accumulation fusion), so its gradient never appears in the autodiff
+    /// gradients.
+    pub fn keep_grads_in_graph(&mut self, params: impl IntoIterator<Item = ParamId>) {
+        self.grads_in_graph.extend(params);
     }
 
     /// Sets each parameter's optimizer group (in layout order).
@@ -604,6 +633,10 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             own_vectors: bool,
             leave: &'a HashSet<ParamId>,
             external: &'a ExternalParams,
+            /// The f32 gradient sum of earlier micro-batches, which the weights' gradient GEMMs
+            /// add into, and the unit's id naming those targets.
+            grad_sum: Option<(&'a Tensor<IB, 1>, u64)>,
+            grads_in_graph: &'a HashSet<ParamId>,
         }
         impl<B: AutodiffBackend> ModuleMapper<B> for Unflatten<'_, B::InnerBackend> {
             fn map_float<const D: usize>(
@@ -637,6 +670,11 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                 let mut t = Tensor::<B, D>::from_inner(inner);
                 if self.track_grad {
                     t = t.require_grad();
+                    if let Some((sum, owner)) = self.grad_sum.filter(|_| D == 2)
+                        && !self.grads_in_graph.contains(&param.id)
+                    {
+                        crate::fast::add_weight_grad_into(&t, sum, spec.offset, owner);
+                    }
                 }
                 // The template's own (lazy) value is dropped without ever being created.
                 Param::initialized(param.id, t)
@@ -650,6 +688,8 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             own_vectors,
             leave: &self.external,
             external,
+            grad_sum: self.deferred_full_grad.as_ref().map(|sum| (sum, self.id)),
+            grads_in_graph: &self.grads_in_graph,
         };
         self.template.clone().map(&mut mapper)
     }
@@ -678,7 +718,8 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         self.finish_grads(ctx)?;
         struct Grads<'a, B: AutodiffBackend> {
             grads: &'a B::Gradients,
-            pieces: Vec<Tensor<B::InnerBackend, 1>>,
+            /// Each parameter's gradient; `None` where a GEMM already added it into the sum.
+            pieces: Vec<Option<Tensor<B::InnerBackend, 1>>>,
             layout: &'a FlatLayout,
             device: Option<B::Device>,
             leave: &'a HashSet<ParamId>,
@@ -691,11 +732,14 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                 let value = param.val();
                 let spec = &self.layout.params[self.pieces.len()];
                 let device = value.device();
+                let added = crate::fast::weight_grad_added(&value);
                 // Kept in the compute dtype: the packing casts (one pass, not two).
                 let piece = match value.grad(self.grads) {
-                    Some(g) => g.reshape([spec.numel]),
+                    // Another use's share (a tied weight) is still added.
+                    Some(g) => Some(g.reshape([spec.numel])),
+                    None if added => None,
                     // A parameter the step did not use has a zero gradient.
-                    None => Tensor::zeros([spec.numel], &device),
+                    None => Some(Tensor::zeros([spec.numel], &device)),
                 };
                 self.device = Some(device);
                 self.pieces.push(piece);
@@ -709,6 +753,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             leave: &self.external,
         };
         module.visit(&mut collect);
+        crate::fast::forget_weight_grad_targets(self.id);
         // A unit whose only parameters are tied ones (a stem holding just the shared
         // embedding) has nothing of its own; its zero gradient still takes part in the
         // collectives so that every rank issues the same ones.
@@ -724,14 +769,39 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             && !defer
             && self.deferred_full_grad.is_none()
             && self.grad.is_none();
-        let piece_dtype = collect.pieces.first().map(|p| p.dtype());
+        // An earlier micro-batch's gradient (f32, deferred): the pieces are added into it in
+        // one pass each where the kernels serve them, instead of packed and then added; those
+        // a GEMM already added into it are skipped.
+        let mut prev = self.deferred_full_grad.take();
+        if let Some(acc) = prev.take() {
+            let rest: Vec<_> = (self.layout.params.iter())
+                .zip(&collect.pieces)
+                .filter_map(|(spec, piece)| piece.clone().map(|p| (spec.offset, p)))
+                .collect();
+            let sum = if rest.is_empty() {
+                Ok(acc)
+            } else {
+                crate::fast::pack_add(rest, acc).map_err(|(_, acc)| acc)
+            };
+            match sum {
+                Ok(sum) => return self.accumulated(sum, ctx, defer, unreduced),
+                Err(acc) => prev = Some(acc),
+            }
+        }
+        // Only a GEMM serving the fused path skips a piece, and that path's packing kernels
+        // took them above; a zero keeps the layout here regardless.
+        let pieces: Vec<_> = (self.layout.params.iter())
+            .zip(collect.pieces)
+            .map(|(spec, piece)| piece.unwrap_or_else(|| Tensor::zeros([spec.numel], &device)))
+            .collect();
+        let piece_dtype = pieces.first().map(|p| p.dtype());
         let flat_dtype = match piece_dtype {
-            Some(d) if unreduced && collect.pieces.iter().all(|p| p.dtype() == d) => d,
+            Some(d) if unreduced && pieces.iter().all(|p| p.dtype() == d) => d,
             _ => DType::F32,
         };
         // The packing can sum the squares on the way only when the packed buffer is the
         // gradient the norm reads: nothing to reduce and nothing to add.
-        let mut pieces = collect.pieces;
+        let mut pieces = pieces;
         if unreduced && !pieces.is_empty() {
             match crate::fast::pack_with_sq_sums(pieces, self.layout.padded, flat_dtype) {
                 Ok((full, partials, ranges)) => {
@@ -740,18 +810,6 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
                     return Ok(());
                 }
                 Err(back) => pieces = back,
-            }
-        }
-        // An earlier micro-batch's gradient (f32, deferred): the pieces are added into it in
-        // one pass where the kernels serve them, instead of packed and then added.
-        let mut prev = self.deferred_full_grad.take();
-        if let Some(acc) = prev.take_if(|_| !pieces.is_empty()) {
-            match crate::fast::pack_add(pieces, acc) {
-                Ok(sum) => return self.accumulated(sum, ctx, defer, unreduced),
-                Err((back, acc)) => {
-                    pieces = back;
-                    prev = Some(acc);
-                }
             }
         }
         let packed = if pieces.is_empty() {
@@ -860,6 +918,17 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
              ShardedUnit::finish_grads first",
             self.name
         );
+    }
+
+    /// This rank's chunk of the gradient summed since the last optimizer step (the flat
+    /// layout's elements [`FlatLayout::shard_range`] of this rank; f32, or the compute dtype
+    /// when nothing was reduced or added); `None` before the first [`Self::accumulate_grads`].
+    ///
+    /// # Panics
+    /// If a reduce-scatter is still pending ([`Self::finish_grads`] first).
+    pub fn grad_shard(&self) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.assert_grads_finished("grad_shard");
+        self.grad.clone()
     }
 
     /// Sum of squares of this rank's gradient shard (a 1-element tensor; no host sync).

@@ -136,7 +136,9 @@ pub struct FastPaths {
     /// Gradients that meet at one tensor (an input shared by q/k/v or by gate/up, the residual
     /// stream at each norm) are summed by the op whose backward runs second, in its own output
     /// pass (cuBLAS `beta = 1`, the RMSNorm backward kernel) instead of a separate add of Burn's
-    /// autodiff (`cuda::accumulate`).
+    /// autodiff (`cuda::accumulate`). Over the micro-batches of an accumulation step, a weight's
+    /// gradient GEMM also adds straight into FSDP's f32 gradient sum (Megatron's
+    /// gradient-accumulation fusion) instead of writing a gradient that is added after.
     pub accumulate: bool,
     /// Seeded normal initialization drawn on the GPU by one kernel per parameter slice
     /// ([`crate::cuda::init`]), the same counter-based formula as [`crate::init::init_values`],

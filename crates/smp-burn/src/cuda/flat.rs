@@ -194,37 +194,39 @@ pub fn pack(pieces: Vec<Cube>, total: usize, dtype: DType) -> Cube {
     pack_impl(pieces, total, dtype, false).0
 }
 
-/// `acc` (a flat f32 buffer, as [`pack`] made it) with `pieces` (any float dtype, 1-D) added
-/// element by element from element 0: gradient accumulation over micro-batches in one pass
+/// `acc` (a flat f32 buffer, as [`pack`] made it) with each piece (any float dtype, 1-D) added
+/// element by element from its offset: gradient accumulation over micro-batches in one pass
 /// per piece (read the piece and the sum, write the sum: 10 bytes per bf16 gradient, where
 /// packing into a fresh f32 buffer and adding the two reads and writes 18). In place when
-/// nothing else holds `acc`, else into a copy; elements past the pieces keep their values.
+/// nothing else holds `acc`, else into a copy; elements outside the pieces keep their values
+/// (the gradients a GEMM already added, [`super::accumulate::add_weight_grad_into`]).
 ///
 /// # Panics
-/// If `acc` is not f32, the pieces hold more elements than it, or they are not on one device.
-pub fn pack_add(pieces: Vec<Cube>, acc: Cube) -> Cube {
+/// If `acc` is not f32, a piece reaches past it, or they are not on one device.
+pub fn pack_add(pieces: Vec<(usize, Cube)>, acc: Cube) -> Cube {
     assert_eq!(acc.dtype, DType::F32, "pack_add: the sum must be f32");
     let total = acc.meta.num_elements();
-    let sizes: Vec<usize> = pieces.iter().map(|p| p.meta.num_elements()).collect();
-    let used: usize = sizes.iter().sum();
-    assert!(
-        used <= total,
-        "pack_add: pieces hold {used} elements, the sum {total}"
-    );
     assert!(
         total < u32::MAX as usize,
         "pack_add: {total} elements are too many for 32-bit indexing"
     );
+    for (offset, piece) in &pieces {
+        let n = piece.meta.num_elements();
+        assert!(
+            offset + n <= total,
+            "pack_add: a piece of {n} elements at {offset} reaches past the sum's {total}"
+        );
+    }
     let acc = writable(acc);
     let client = acc.client.clone();
-    let (shapes, _, _) = piece_plan(&sizes);
-    let mut offset = 0;
-    for (piece, (nv, len)) in pieces.into_iter().zip(shapes) {
+    for (offset, piece) in pieces {
         let piece = into_contiguous(piece);
         let n = piece.meta.num_elements();
         if n == 0 {
             continue;
         }
+        let nv = width(n, offset);
+        let len = n / nv;
         let src_dtype = piece.dtype;
         let dim = CubeDim::new_1d(THREADS as u32);
         // SAFETY: the kernel guards `i < len`, the vector count of both the piece and its
@@ -241,7 +243,6 @@ pub fn pack_add(pieces: Vec<Cube>, acc: Cube) -> Cube {
                 src_dtype.into(),
             );
         }
-        offset += n;
     }
     acc
 }

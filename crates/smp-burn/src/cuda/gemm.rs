@@ -177,9 +177,11 @@ impl Operand {
     }
 }
 
-/// One column-major GEMM `C[m,n] = op(A) op(B)`, or `C += op(A) op(B)` with `accumulate`.
+/// One column-major GEMM `C[m,n] = op(A) op(B)`, or `C += op(A) op(B)` with `accumulate`;
+/// `C` in the operands' dtype, or f32 with `c_f32`.
 pub(super) struct GemmCall {
     accumulate: bool,
+    c_f32: bool,
     trans_a: bool,
     trans_b: bool,
     m: usize,
@@ -558,7 +560,11 @@ fn issue_steps<G>(
                 dim(c.b.ld)?,
                 (if c.accumulate { &add } else { &overwrite } as *const f32).cast(),
                 out as *mut _,
-                dt,
+                if c.c_f32 {
+                    cbs::cudaDataType_t::CUDA_R_32F
+                } else {
+                    dt
+                },
                 dim(c.c.ld)?,
                 cbs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cbs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -619,6 +625,7 @@ pub fn linear_forward(
         // Row-major y[m,n] is column-major y^T[n,m] = w[n,k] (stored as w^T, k x n) ^T · x^T.
         let call = GemmCall {
             accumulate: false,
+            c_f32: false,
             trans_a: true,
             trans_b: false,
             m: n,
@@ -636,7 +643,9 @@ pub fn linear_forward(
 /// The two backward GEMMs of [`linear_forward`]: `dx = dy w` (when `w` is given) and
 /// `dw = dy^T x` (when `x` is given), in one ordered batch. With `dx_into` (a contiguous
 /// buffer of `x_shape` that no other tensor holds), `dx` is added into it in the GEMM's
-/// epilogue (cuBLAS `beta = 1`, the sum rounded once) and returned.
+/// epilogue (cuBLAS `beta = 1`, the sum rounded once) and returned. With `dw_into` (a
+/// contiguous f32 buffer of the weight's element count), `dw` is added into it in f32 and not
+/// returned: a gradient sum over micro-batches.
 ///
 /// # Panics
 /// As [`linear_forward`].
@@ -646,6 +655,7 @@ pub fn linear_backward(
     w: Option<CubeTensor<CudaRuntime>>,
     x_shape: &Shape,
     dx_into: Option<CubeTensor<CudaRuntime>>,
+    dw_into: Option<CubeTensor<CudaRuntime>>,
 ) -> (
     Option<CubeTensor<CudaRuntime>>,
     Option<CubeTensor<CudaRuntime>>,
@@ -664,6 +674,7 @@ pub fn linear_backward(
         // dx^T (k x m, column-major) = w^T (k x n, stored as w) · dy^T (n x m, stored as dy).
         calls.push(GemmCall {
             accumulate,
+            c_f32: false,
             trans_a: false,
             trans_b: false,
             m: k,
@@ -675,13 +686,28 @@ pub fn linear_backward(
         });
         dx
     });
-    let dw = x.map(|x| {
+    let dw = x.and_then(|x| {
         check_dtype("linear backward (dw)", &dy, &x);
         let x = into_contiguous(x);
-        let dw = alloc(Shape::from(vec![n, k]));
+        let (dw, into_sum) = match dw_into {
+            Some(sum) => {
+                assert!(
+                    sum.meta.num_elements() == n * k
+                        && sum.is_contiguous()
+                        && sum.dtype == BurnDType::F32,
+                    "linear backward: weight gradient sum {:?} {:?} does not match the weight \
+                     [{n}, {k}] (f32, contiguous)",
+                    sum.meta.shape(),
+                    sum.dtype
+                );
+                (sum, true)
+            }
+            None => (alloc(Shape::from(vec![n, k])), false),
+        };
         // dw^T (k x n, column-major) = x^T (k x m, stored as x) · dy (m x n, stored as dy^T).
         calls.push(GemmCall {
-            accumulate: false,
+            accumulate: into_sum,
+            c_f32: into_sum,
             trans_a: false,
             trans_b: true,
             m: k,
@@ -691,7 +717,8 @@ pub fn linear_backward(
             b: Operand::of(&dy, n),
             c: Operand::of(&dw, k),
         });
-        dw
+        // A sum's binding in the call keeps its buffer until the GEMM is issued.
+        (!into_sum).then_some(dw)
     });
     if m * n * k > 0 {
         submit_ordered(dy.device.index, dy.dtype, calls);
@@ -750,14 +777,15 @@ pub(super) fn register_linear_grads<I: CubeInner>(
 #[derive(Debug)]
 struct LinearBackward;
 
-/// The backward GEMMs on backend `I`: `dy`, then `x` and `w` where given, then the buffer `dx`
-/// adds into (plain backend only).
+/// The backward GEMMs on backend `I`: `dy`, then `x` and `w` where given, then the buffers `dx`
+/// and `dw` add into (plain backend only; `dw` is then not returned).
 fn linear_backward_on<I: CubeInner>(
     dy: I::FloatTensorPrimitive,
     x: Option<I::FloatTensorPrimitive>,
     w: Option<I::FloatTensorPrimitive>,
     x_shape: Shape,
     dx_into: Option<I::FloatTensorPrimitive>,
+    dw_into: Option<I::FloatTensorPrimitive>,
 ) -> (
     Option<I::FloatTensorPrimitive>,
     Option<I::FloatTensorPrimitive>,
@@ -767,15 +795,17 @@ fn linear_backward_on<I: CubeInner>(
     let dy_shape = dy.shape();
     let n = dy_shape[dy_shape.num_dims() - 1];
     let k = x_shape[x_shape.num_dims() - 1];
-    let (has_x, has_w, has_acc) = (x.is_some(), w.is_some(), dx_into.is_some());
+    let (has_x, has_w) = (x.is_some(), w.is_some());
+    let (has_acc, has_sum) = (dx_into.is_some(), dw_into.is_some());
+    let returns_dw = has_x && !has_sum;
     let mut outputs = Vec::new();
     if has_w {
         outputs.push((x_shape.clone(), dtype));
     }
-    if has_x {
+    if returns_dw {
         outputs.push((Shape::new([n, k]), dtype));
     }
-    let args = [Some(dy), x, w, dx_into]
+    let args = [Some(dy), x, w, dx_into, dw_into]
         .into_iter()
         .flatten()
         .map(Arg::Float)
@@ -786,12 +816,13 @@ fn linear_backward_on<I: CubeInner>(
         let x = has_x.then(|| inputs.next().expect("x"));
         let w = has_w.then(|| inputs.next().expect("w"));
         let acc = has_acc.then(|| inputs.next().expect("dx accumulator"));
-        let (dx, dw) = linear_backward(dy, x, w, &x_shape, acc);
+        let sum = has_sum.then(|| inputs.next().expect("dw sum"));
+        let (dx, dw) = linear_backward(dy, x, w, &x_shape, acc, sum);
         dx.into_iter().chain(dw).collect()
     });
     let mut out = I::run("smp_burn.linear_backward", args, outputs, f).into_iter();
     let dx = has_w.then(|| out.next().expect("dx"));
-    let dw = has_x.then(|| out.next().expect("dw"));
+    let dw = returns_dw.then(|| out.next().expect("dw"));
     (dx, dw)
 }
 
@@ -843,8 +874,19 @@ impl<I: CubeInner> Backward<I, 2> for LinearBackward {
             }
             _ => None,
         };
+        // `dw` adds into FSDP's gradient sum over micro-batches where the unit registered one
+        // for this weight (plain backend only, as above).
+        let dw_into = match (I::as_cube(&dy), &x, &ops.parents[1]) {
+            (Some(dy_cube), Some(_), Some(node)) => {
+                let (_, n) = rows_cols(dy_cube.meta.shape());
+                let (_, k) = rows_cols(&ops.state.2);
+                super::accumulate::weight_grad_target(node.id, n * k)
+                    .map(crate::downcast::same::<Cube, I::FloatTensorPrimitive>)
+            }
+            _ => None,
+        };
         let x_shape = ops.state.2;
-        let (dx, dw) = linear_backward_on::<I>(dy, x, w, x_shape, dx_into);
+        let (dx, dw) = linear_backward_on::<I>(dy, x, w, x_shape, dx_into, dw_into);
         register_linear_grads::<I>(grads, ops.parents.map(|p| p.map(|n| n.id)), dx, dw);
     }
 }
@@ -894,7 +936,8 @@ pub fn linear_grads<I: CubeInner>(
     x_shape: Shape,
 ) -> (Option<Tensor<I, 2>>, Option<Tensor<I, 2>>) {
     let prim = |t: Tensor<I, 2>| t.into_primitive().tensor();
-    let (dx, dw) = linear_backward_on::<I>(prim(dy), x.map(prim), w.map(prim), x_shape, None);
+    let (dx, dw) =
+        linear_backward_on::<I>(prim(dy), x.map(prim), w.map(prim), x_shape, None, None);
     let wrap = |t| Tensor::from_primitive(TensorPrimitive::Float(t));
     (dx.map(wrap), dw.map(wrap))
 }

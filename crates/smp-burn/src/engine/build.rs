@@ -552,6 +552,15 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
             Optimizer::AdamW(adamw) => Some(adamw.moments),
             Optimizer::Custom(_) => None,
         };
+        // Tensor parallelism sums its replicated parameters' gradients across the group before
+        // they are accumulated, so theirs must stay in the autodiff gradients.
+        let summed_across_tp = |layout: &FlatLayout| -> Vec<ParamId> {
+            let replicated = |p: &&FlatParam| {
+                matches!(placements.get(&p.id), Some(Placement::Replicated) | None)
+            };
+            let params = layout.params.iter().filter(replicated);
+            params.filter(|_| degree > 1).map(|p| p.id).collect()
+        };
         macro_rules! sharded {
             ($unit:expr, $id:expr, $layout:expr) => {{
                 let id = $id;
@@ -565,6 +574,7 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
                     init_for(id, by_path(&meta)),
                 )?;
                 unit.set_groups(groups)?;
+                unit.keep_grads_in_graph(summed_across_tp($layout));
                 if let Some(dtype) = moment_dtype {
                     unit.set_moment_dtype(dtype);
                 }
@@ -664,6 +674,7 @@ impl<'a, IB: Backend> EngineBuilder<'a, IB> {
                 tied_init,
             )?;
             unit.set_groups(ordered_groups)?;
+            unit.keep_grads_in_graph(summed_across_tp(&layout));
             if let Some(dtype) = moment_dtype {
                 unit.set_moment_dtype(dtype);
             }

@@ -154,9 +154,9 @@ pub(crate) fn pack<B: Backend>(
 
 #[allow(clippy::type_complexity)]
 pub(crate) fn pack_add<B: Backend>(
-    pieces: Vec<Tensor<B, 1>>,
+    pieces: Vec<(usize, Tensor<B, 1>)>,
     acc: Tensor<B, 1>,
-) -> Result<Tensor<B, 1>, (Vec<Tensor<B, 1>>, Tensor<B, 1>)> {
+) -> Result<Tensor<B, 1>, (Vec<(usize, Tensor<B, 1>)>, Tensor<B, 1>)> {
     Err((pieces, acc))
 }
 
@@ -175,3 +175,18 @@ pub(crate) fn weighted_sum<B: Backend>(
 ) -> Option<Tensor<B, 1>> {
     None
 }
+
+pub(crate) fn add_weight_grad_into<B: Backend, IB: Backend, const D: usize>(
+    _: &Tensor<B, D>,
+    _: &Tensor<IB, 1>,
+    _: usize,
+    _: u64,
+) -> bool {
+    false
+}
+
+pub(crate) fn weight_grad_added<B: Backend, const D: usize>(_: &Tensor<B, D>) -> bool {
+    false
+}
+
+pub(crate) fn forget_weight_grad_targets(_: u64) {}

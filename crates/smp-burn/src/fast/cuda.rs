@@ -659,23 +659,26 @@ pub(crate) fn pack<B: Backend>(
     Ok(tensor(flat))
 }
 
-/// `acc` (a flat f32 gradient, taken by value so that the kernel can add in place) plus
-/// `pieces` packed back to back ([`crate::cuda::flat::pack_add`]) on a plain CUDA backend;
-/// `Err((pieces, acc))` hands both back for the reference (`pack`, then `+`).
+/// `acc` (a flat f32 gradient, taken by value so that the kernel can add in place) plus each
+/// piece at its offset ([`crate::cuda::flat::pack_add`]) on a plain CUDA backend;
+/// `Err((pieces, acc))` hands both back for the reference.
 #[allow(clippy::type_complexity)]
 pub(crate) fn pack_add<B: Backend>(
-    pieces: Vec<Tensor<B, 1>>,
+    pieces: Vec<(usize, Tensor<B, 1>)>,
     acc: Tensor<B, 1>,
-) -> Result<Tensor<B, 1>, (Vec<Tensor<B, 1>>, Tensor<B, 1>)> {
-    if !packs_on_cuda::<B>(&pieces, DType::F32) || acc.dtype() != DType::F32 {
-        return Err((pieces, acc));
+) -> Result<Tensor<B, 1>, (Vec<(usize, Tensor<B, 1>)>, Tensor<B, 1>)> {
+    let (offsets, tensors): (Vec<usize>, Vec<Tensor<B, 1>>) = pieces.into_iter().unzip();
+    if !packs_on_cuda::<B>(&tensors, DType::F32) || acc.dtype() != DType::F32 {
+        return Err((offsets.into_iter().zip(tensors).collect(), acc));
     }
     let total = acc.dims()[0];
     let f: CubeFn = Arc::new(move |mut inputs: Vec<Cube>| {
         let acc = inputs.pop().expect("the sum comes last");
-        vec![crate::cuda::flat::pack_add(inputs, acc)]
+        let pieces = offsets.iter().copied().zip(inputs).collect();
+        vec![crate::cuda::flat::pack_add(pieces, acc)]
     });
-    let mut args: Vec<Arg<B>> = pieces.iter().map(float).collect();
+    let mut args: Vec<Arg<B>> = tensors.iter().map(float).collect();
+    drop(tensors);
     args.push(Arg::Float(acc.into_primitive().tensor()));
     let out = vec![([total].into(), DType::F32)];
     let sum = run_plain::<B>("smp_burn.pack_add", args, out, f)
@@ -728,4 +731,58 @@ pub(crate) fn weighted_sum<B: Backend>(
     let out = vec![([1].into(), DType::F32)];
     let sum = run_plain::<B>("smp_burn.weighted_sum", vec![float(t)], out, f)?.pop()?;
     Some(tensor(sum))
+}
+
+/// The autodiff node of `t` where `B` is [`CudaAutodiff`].
+fn cuda_autodiff_node<B: Backend, const D: usize>(
+    t: &Tensor<B, D>,
+) -> Option<burn::backend::autodiff::NodeId> {
+    if TypeId::of::<B>() != TypeId::of::<CudaAutodiff>() {
+        return None;
+    }
+    let t: Tensor<CudaAutodiff, D> = same(t.clone());
+    Some(t.into_primitive().tensor().node.id)
+}
+
+/// Makes the gradient GEMM of the weight `param` (an autodiff leaf) add into elements
+/// `offset..` of `sum` (an f32 gradient sum over micro-batches) instead of returning a gradient
+/// ([`crate::cuda::accumulate::add_weight_grad_into`]), on [`CudaAutodiff`] with the `gemm` and
+/// `accumulate` paths on; `false` (nothing registered) elsewhere.
+pub(crate) fn add_weight_grad_into<B: Backend, IB: Backend, const D: usize>(
+    param: &Tensor<B, D>,
+    sum: &Tensor<IB, 1>,
+    offset: usize,
+    owner: u64,
+) -> bool {
+    let paths = fast_paths();
+    if !(paths.gemm && paths.accumulate)
+        || sum.dtype() != DType::F32
+        || TypeId::of::<IB>() != TypeId::of::<CudaCube>()
+    {
+        return false;
+    }
+    let Some(node) = cuda_autodiff_node(param) else {
+        return false;
+    };
+    let sum: Tensor<CudaCube, 1> = same(sum.clone());
+    let numel = param.shape().num_elements();
+    crate::cuda::accumulate::add_weight_grad_into(
+        node,
+        sum.into_primitive().tensor(),
+        offset,
+        numel,
+        owner,
+    );
+    true
+}
+
+/// Whether a GEMM added the gradient of `param` into the sum [`add_weight_grad_into`] gave it;
+/// forgets that target.
+pub(crate) fn weight_grad_added<B: Backend, const D: usize>(param: &Tensor<B, D>) -> bool {
+    cuda_autodiff_node(param).is_some_and(crate::cuda::accumulate::weight_grad_added)
+}
+
+/// Forgets every weight-gradient target of FSDP unit `owner`.
+pub(crate) fn forget_weight_grad_targets(owner: u64) {
+    crate::cuda::accumulate::forget_weight_grad_targets(owner);
 }
