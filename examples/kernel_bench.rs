@@ -705,8 +705,7 @@ fn check_grad_accumulation() -> bool {
                 };
                 smp_burn::init::init_values(0, &p.name, rule, range)
             };
-            let mut unit =
-                ShardedUnit::<Ad, _>::new("layer", template, &ctx, &dev, init).unwrap();
+            let mut unit = ShardedUnit::<Ad, _>::new("layer", template, &ctx, &dev, init).unwrap();
             for (i, (x, g)) in inputs.iter().enumerate() {
                 let layer = unit.gather(&ctx, true).unwrap();
                 let x = Tensor::<Ad, 2>::from_inner(x.clone());

@@ -936,8 +936,7 @@ pub fn linear_grads<I: CubeInner>(
     x_shape: Shape,
 ) -> (Option<Tensor<I, 2>>, Option<Tensor<I, 2>>) {
     let prim = |t: Tensor<I, 2>| t.into_primitive().tensor();
-    let (dx, dw) =
-        linear_backward_on::<I>(prim(dy), x.map(prim), w.map(prim), x_shape, None, None);
+    let (dx, dw) = linear_backward_on::<I>(prim(dy), x.map(prim), w.map(prim), x_shape, None, None);
     let wrap = |t| Tensor::from_primitive(TensorPrimitive::Float(t));
     (dx.map(wrap), dw.map(wrap))
 }
