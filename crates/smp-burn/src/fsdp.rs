@@ -1619,6 +1619,91 @@ mod tests {
         assert_eq!(grads_with(true), grads_with(false));
     }
 
+    /// Accumulation over micro-batches (`defer` on all but the last) on one rank: the gradient
+    /// shard holds every element of the layout and equals the sum of each micro-batch's own
+    /// gradients, taken from plain autodiff on the same weights.
+    #[test]
+    fn deferred_micro_batches_sum_into_the_gradient_shard() {
+        use burn::backend::Autodiff;
+        use burn::module::Initializer;
+        use burn_ndarray::NdArray;
+        use collectives::{CommOptions, run_on_threads};
+
+        use crate::comm::HostTensorComm;
+        use crate::init::{InitRule, init_values};
+
+        #[derive(Module, Debug)]
+        struct Scaled<B: Backend> {
+            weight: Param<Tensor<B, 2>>,
+            scale: Param<Tensor<B, 1>>,
+        }
+        type B = Autodiff<NdArray<f32>>;
+        let (micro_batches, k, n) = (3, 5, 3);
+        let out = run_on_threads(1, CommOptions::default(), |comm| {
+            let dev = Default::default();
+            let ctx = FsdpContext::<NdArray<f32>>::new(
+                Arc::new(HostTensorComm::new(comm)),
+                None,
+                &ParallelConfig::default(),
+            );
+            let template = Scaled::<B> {
+                weight: Initializer::Zeros.init([n, k], &dev),
+                scale: Initializer::Zeros.init([k], &dev),
+            };
+            let mut unit = ShardedUnit::new("layer", template, &ctx, &dev, |p, range| {
+                init_values(0, &p.name, InitRule::Normal { std: 0.5 }, range)
+            })
+            .unwrap();
+            let mut want = vec![0f32; n * k + k];
+            for micro in 0..micro_batches {
+                let layer = unit.gather(&ctx, true).unwrap();
+                let x = Tensor::<B, 2>::from_floats(
+                    [
+                        [1.0 + micro as f32, -2.0, 0.5, 3.0, -1.0],
+                        [0.25, 1.0, -0.5, 2.0, 1.5],
+                    ],
+                    &dev,
+                );
+                let forward = |layer: &Scaled<B>| {
+                    let scaled = x.clone() * layer.scale.val().unsqueeze_dim(0);
+                    crate::ops::linear(scaled, layer.weight.val())
+                        .square()
+                        .sum()
+                };
+                // The same micro-batch's gradients on a plain copy of the gathered weights.
+                let plain = unit.gather(&ctx, true).unwrap();
+                let g = forward(&plain).backward();
+                let dw = plain.weight.val().grad(&g).unwrap().into_data();
+                let ds = plain.scale.val().grad(&g).unwrap().into_data();
+                for (w, v) in want.iter_mut().zip(
+                    dw.to_vec::<f32>()
+                        .unwrap()
+                        .into_iter()
+                        .chain(ds.to_vec::<f32>().unwrap()),
+                ) {
+                    *w += v;
+                }
+                let grads = forward(&layer).backward();
+                let defer = micro + 1 < micro_batches;
+                unit.accumulate_grads(&layer, &grads, &ctx, defer).unwrap();
+            }
+            let got = unit.grad_shard().expect("a gradient").into_data();
+            (got.to_vec::<f32>().unwrap(), want)
+        });
+        let (got, want) = &out[0];
+        assert_eq!(
+            got.len(),
+            want.len(),
+            "the shard of a one-rank unit holds every element"
+        );
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                "element {i}: {g} against {w}"
+            );
+        }
+    }
+
     fn decay_runs(layout: &FlatLayout, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
         param_runs(layout, range, &|p| p.shape.len() >= 2, false)
     }
