@@ -181,8 +181,7 @@ pub(crate) fn add_weight_grad_into<B: Backend, IB: Backend, const D: usize>(
     _: &Tensor<IB, 1>,
     _: usize,
     _: u64,
-) -> bool {
-    false
+) {
 }
 
 pub(crate) fn weight_grad_added<B: Backend, const D: usize>(_: &Tensor<B, D>) -> bool {

@@ -747,22 +747,22 @@ fn cuda_autodiff_node<B: Backend, const D: usize>(
 /// Makes the gradient GEMM of the weight `param` (an autodiff leaf) add into elements
 /// `offset..` of `sum` (an f32 gradient sum over micro-batches) instead of returning a gradient
 /// ([`crate::cuda::accumulate::add_weight_grad_into`]), on [`CudaAutodiff`] with the `gemm` and
-/// `accumulate` paths on; `false` (nothing registered) elsewhere.
+/// `accumulate` paths on; nothing elsewhere.
 pub(crate) fn add_weight_grad_into<B: Backend, IB: Backend, const D: usize>(
     param: &Tensor<B, D>,
     sum: &Tensor<IB, 1>,
     offset: usize,
     owner: u64,
-) -> bool {
+) {
     let paths = fast_paths();
     if !(paths.gemm && paths.accumulate)
         || sum.dtype() != DType::F32
         || TypeId::of::<IB>() != TypeId::of::<CudaCube>()
     {
-        return false;
+        return;
     }
     let Some(node) = cuda_autodiff_node(param) else {
-        return false;
+        return;
     };
     let sum: Tensor<CudaCube, 1> = same(sum.clone());
     let numel = param.shape().num_elements();
@@ -773,7 +773,6 @@ pub(crate) fn add_weight_grad_into<B: Backend, IB: Backend, const D: usize>(
         numel,
         owner,
     );
-    true
 }
 
 /// Whether a GEMM added the gradient of `param` into the sum [`add_weight_grad_into`] gave it;
