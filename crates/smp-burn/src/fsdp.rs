@@ -1554,25 +1554,53 @@ mod tests {
         }
     }
 
+    /// A matrix and a vector, the smallest module with both a weight-gradient GEMM and a
+    /// vector gradient.
+    #[derive(Module, Debug)]
+    struct MatrixAndVector<B: Backend> {
+        weight: Param<Tensor<B, 2>>,
+        vector: Param<Tensor<B, 1>>,
+    }
+
+    type TestAutodiff = burn::backend::Autodiff<burn_ndarray::NdArray<f32>>;
+
+    /// One sharded unit holding a `weight_shape` matrix and a vector of `vector_len`, with
+    /// seeded normal values of `std`, over `comm` with `config`.
+    fn matrix_and_vector_unit(
+        comm: Arc<dyn collectives::Communicator>,
+        config: &ParallelConfig,
+        weight_shape: [usize; 2],
+        vector_len: usize,
+        std: f32,
+    ) -> (
+        FsdpContext<burn_ndarray::NdArray<f32>>,
+        ShardedUnit<TestAutodiff, MatrixAndVector<TestAutodiff>>,
+    ) {
+        use burn::module::Initializer;
+
+        use crate::comm::HostTensorComm;
+        use crate::init::{InitRule, init_values};
+
+        let dev = Default::default();
+        let ctx = FsdpContext::new(Arc::new(HostTensorComm::new(comm)), None, config);
+        let template = MatrixAndVector::<TestAutodiff> {
+            weight: Initializer::Zeros.init(weight_shape, &dev),
+            vector: Initializer::Zeros.init([vector_len], &dev),
+        };
+        let unit = ShardedUnit::new("layer", template, &ctx, &dev, |p, range| {
+            init_values(0, &p.name, InitRule::Normal { std }, range)
+        })
+        .unwrap();
+        (ctx, unit)
+    }
+
     /// With prefetch, `accumulate_grads` leaves the reduce-scatter pending; finishing it (also
     /// implicitly, by a second accumulation) gives exactly the gradient of the synchronous path,
     /// and reading the gradient while one is pending panics instead of missing it.
     #[test]
     fn pending_reduce_scatter_matches_synchronous() {
-        use burn::backend::Autodiff;
-        use burn::module::Initializer;
-        use burn_ndarray::NdArray;
         use collectives::{CommOptions, run_on_threads};
-
-        use crate::comm::HostTensorComm;
-        use crate::init::{InitRule, init_values};
-
-        #[derive(Module, Debug)]
-        struct Layer<B: Backend> {
-            weight: Param<Tensor<B, 2>>,
-            bias: Param<Tensor<B, 1>>,
-        }
-        type B = Autodiff<NdArray<f32>>;
+        type B = TestAutodiff;
 
         let grads_with = |prefetch: bool| {
             run_on_threads(2, CommOptions::default(), |comm| {
@@ -1581,25 +1609,13 @@ mod tests {
                     prefetch_depth: usize::from(prefetch),
                     ..Default::default()
                 };
-                let ctx = FsdpContext::<NdArray<f32>>::new(
-                    Arc::new(HostTensorComm::new(comm.clone())),
-                    None,
-                    &config,
-                );
-                let template = Layer::<B> {
-                    weight: Initializer::Zeros.init([4, 3], &dev),
-                    bias: Initializer::Zeros.init([3], &dev),
-                };
-                let mut unit = ShardedUnit::new("layer", template, &ctx, &dev, |p, range| {
-                    init_values(0, &p.name, InitRule::Normal { std: 0.1 }, range)
-                })
-                .unwrap();
+                let rank = comm.rank();
+                let (ctx, mut unit) = matrix_and_vector_unit(comm, &config, [4, 3], 3, 0.1);
                 // Two micro-batches without `defer`, with different data on each rank.
                 for micro in 0..2 {
                     let layer = unit.gather(&ctx, true).unwrap();
-                    let x = Tensor::<B, 2>::ones([2, 4], &dev) * (1.0 + comm.rank() as f32)
-                        - micro as f32;
-                    let y = x.matmul(layer.weight.val()) + layer.bias.val().unsqueeze();
+                    let x = Tensor::<B, 2>::ones([2, 4], &dev) * (1.0 + rank as f32) - micro as f32;
+                    let y = x.matmul(layer.weight.val()) + layer.vector.val().unsqueeze();
                     let grads = y.square().mean().backward();
                     unit.accumulate_grads(&layer, &grads, &ctx, false).unwrap();
                     assert_eq!(unit.has_pending_grads(), prefetch);
@@ -1624,36 +1640,14 @@ mod tests {
     /// gradients, taken from plain autodiff on the same weights.
     #[test]
     fn deferred_micro_batches_sum_into_the_gradient_shard() {
-        use burn::backend::Autodiff;
-        use burn::module::Initializer;
-        use burn_ndarray::NdArray;
         use collectives::{CommOptions, run_on_threads};
+        type B = TestAutodiff;
 
-        use crate::comm::HostTensorComm;
-        use crate::init::{InitRule, init_values};
-
-        #[derive(Module, Debug)]
-        struct Scaled<B: Backend> {
-            weight: Param<Tensor<B, 2>>,
-            scale: Param<Tensor<B, 1>>,
-        }
-        type B = Autodiff<NdArray<f32>>;
         let (micro_batches, k, n) = (3, 5, 3);
         let out = run_on_threads(1, CommOptions::default(), |comm| {
             let dev = Default::default();
-            let ctx = FsdpContext::<NdArray<f32>>::new(
-                Arc::new(HostTensorComm::new(comm)),
-                None,
-                &ParallelConfig::default(),
-            );
-            let template = Scaled::<B> {
-                weight: Initializer::Zeros.init([n, k], &dev),
-                scale: Initializer::Zeros.init([k], &dev),
-            };
-            let mut unit = ShardedUnit::new("layer", template, &ctx, &dev, |p, range| {
-                init_values(0, &p.name, InitRule::Normal { std: 0.5 }, range)
-            })
-            .unwrap();
+            let (ctx, mut unit) =
+                matrix_and_vector_unit(comm, &ParallelConfig::default(), [n, k], k, 0.5);
             let mut want = vec![0f32; n * k + k];
             for micro in 0..micro_batches {
                 let layer = unit.gather(&ctx, true).unwrap();
@@ -1664,8 +1658,8 @@ mod tests {
                     ],
                     &dev,
                 );
-                let forward = |layer: &Scaled<B>| {
-                    let scaled = x.clone() * layer.scale.val().unsqueeze_dim(0);
+                let forward = |layer: &MatrixAndVector<B>| {
+                    let scaled = x.clone() * layer.vector.val().unsqueeze_dim(0);
                     crate::ops::linear(scaled, layer.weight.val())
                         .square()
                         .sum()
@@ -1674,7 +1668,7 @@ mod tests {
                 let plain = unit.gather(&ctx, true).unwrap();
                 let g = forward(&plain).backward();
                 let dw = plain.weight.val().grad(&g).unwrap().into_data();
-                let ds = plain.scale.val().grad(&g).unwrap().into_data();
+                let ds = plain.vector.val().grad(&g).unwrap().into_data();
                 for (w, v) in want.iter_mut().zip(
                     dw.to_vec::<f32>()
                         .unwrap()
