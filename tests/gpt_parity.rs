@@ -538,23 +538,7 @@ fn initialized_models_shard() {
             .param_groups(decay_all)
             .build(initial_units(cfg), &device)
             .unwrap();
-        let mut losses = Vec::new();
-        for step in 0..STEPS {
-            let (x, y) = global_batch(step, cfg.vocab);
-            let r = mesh.dp_rank() * 2..mesh.dp_rank() * 2 + 2;
-            let stats = engine
-                .train_step([(rows(&x, r.clone()), rows(&y, r))], LR)
-                .unwrap();
-            losses.push(stats.loss.into_scalar() as f64);
-        }
-        let mut params: Vec<_> = engine
-            .gather_named(StateKind::Weights)
-            .unwrap()
-            .into_iter()
-            .map(|(n, _, v)| (n, v))
-            .collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
-        Run { losses, params }
+        train(&mut engine, &mesh, 1, cfg.vocab)
     });
     for r in &runs {
         assert_matches(&reference, r, "FSDP 2 from initialized units");
@@ -594,23 +578,7 @@ fn burn_optimizer_steps_shards() {
             .param_groups(decay_all)
             .build(units, &device)
             .unwrap();
-        let mut losses = Vec::new();
-        for step in 0..STEPS {
-            let (x, y) = global_batch(step, cfg.vocab);
-            let r = mesh.dp_rank() * 2..mesh.dp_rank() * 2 + 2;
-            let stats = engine
-                .train_step([(rows(&x, r.clone()), rows(&y, r))], LR)
-                .unwrap();
-            losses.push(stats.loss.into_scalar() as f64);
-        }
-        let mut params: Vec<_> = engine
-            .gather_named(StateKind::Weights)
-            .unwrap()
-            .into_iter()
-            .map(|(n, _, v)| (n, v))
-            .collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
-        Run { losses, params }
+        train(&mut engine, &mesh, 1, cfg.vocab)
     });
     for r in &runs {
         assert_matches(&reference, r, "Burn's AdamW on shards");
