@@ -4,8 +4,7 @@
 //! and gradients), odd shapes included; exits non-zero on a miss.
 //! `kernel_bench attention`: only the attention part of `check`.
 //! `kernel_bench accumulate`: an FSDP unit's weight gradient summed over micro-batches by its
-//! GEMMs, against an f64 host sum. Not part of `check` yet: its first run (an H100) read back a
-//! one-element gradient shard where the trainer's accumulation with the same path was right.
+//! GEMMs, against an f64 host sum. Not part of `check` until it has passed on a GPU.
 //! `kernel_bench xent`: only the LM-head loss part of `check` (fused softmax kernels against
 //! Burn's ops), with the time of each.
 //! `kernel_bench embed`: only the embedding-gradient part of `check` (one kernel against Burn's
@@ -640,11 +639,12 @@ fn check_sq_sum() -> bool {
 }
 
 /// A linear layer behind an elementwise scale: the scale's gradient comes from Burn's autodiff,
-/// the matrix's from the linear layer's GEMM.
-#[derive(burn::module::Module, Debug, Clone)]
-struct ScaledLinear<Bk: Backend> {
-    weight: burn::module::Param<Tensor<Bk, 2>>,
-    scale: burn::module::Param<Tensor<Bk, 1>>,
+/// the matrix's from the linear layer's GEMM. The backend generic must be named `B`: Burn's
+/// `derive(Module)` finds parameters only through a generic of that name.
+#[derive(burn::module::Module, Debug)]
+struct ScaledLinear<B: Backend> {
+    weight: burn::module::Param<Tensor<B, 2>>,
+    scale: burn::module::Param<Tensor<B, 1>>,
 }
 
 /// Gradient accumulation over micro-batches through an FSDP unit: from the second micro-batch

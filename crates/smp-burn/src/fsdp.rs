@@ -392,6 +392,17 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         let degree = ctx.shard.world_size();
         let rank = ctx.shard.rank();
         let layout = FlatLayout::of_excluding::<B, M>(&template, degree, &external);
+        let name = name.into();
+        if layout.params.is_empty() && external.is_empty() {
+            // Legal (a unit of parameter-free layers), but far more often a module whose
+            // parameters Burn does not visit: `derive(Module)` finds them only through a
+            // backend generic named `B`.
+            tracing::warn!(
+                "unit {name}: the module has no float parameters to shard; if it should, check \
+                 that its struct's backend generic is named `B` (Burn's derive(Module) visits \
+                 parameters only through a generic of that name)"
+            );
+        }
         let range = layout.shard_range(rank, degree);
         let init = |p: &FlatParam, r: Range<usize>| init(p, r).into();
         let master = upload_shard::<B::InnerBackend>(&layout, range, &init, device)?;
@@ -409,7 +420,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
             })
             .collect();
         Ok(Self {
-            name: name.into(),
+            name,
             template,
             layout,
             rank,
