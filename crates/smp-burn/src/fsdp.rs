@@ -393,7 +393,7 @@ impl<B: AutodiffBackend, M: Module<B>> ShardedUnit<B, M> {
         let rank = ctx.shard.rank();
         let layout = FlatLayout::of_excluding::<B, M>(&template, degree, &external);
         let name = name.into();
-        if layout.params.is_empty() && external.is_empty() {
+        if layout.params.is_empty() && FlatLayout::of::<B, M>(&template, 1).params.is_empty() {
             // Legal (a unit of parameter-free layers), but far more often a module whose
             // parameters Burn does not visit: `derive(Module)` finds them only through a
             // backend generic named `B`.
