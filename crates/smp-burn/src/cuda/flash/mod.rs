@@ -126,7 +126,8 @@ impl Dims {
 /// (forward), or its Q, dO and dQ accumulator (backward), in L2. On an H200 at head dim 128,
 /// batch 1, that made the forward 1.03-1.04x and the backward 1.00-1.05x faster at S = 16k,
 /// 1.09-1.10x and 1.06-1.07x at 32k, but both 8-10 % slower at 4k (hd 64: 5 %), where heads
-/// fastest runs every head's longest blocks first and the waves end evenly.
+/// fastest runs every head's longest blocks first and the waves end evenly; at 8k still 1-3 %
+/// slower (H100).
 const BLOCKS_FASTEST_FROM_SEQ: usize = 16384;
 
 /// The grid of a warpgroup kernel with one cube per (head, block, batch), and whether the blocks
